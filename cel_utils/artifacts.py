@@ -1,0 +1,100 @@
+"""The JSON artifact of one CEL run (model, task, seed), written atomically.
+
+One file holds everything later stages need: the configuration, data provenance, every stage-1 and
+stage-2 score, the frozen set, the per-example correctness of the full and ablated models on the holdout,
+timings and library versions. Files are written to a temporary name and renamed, so a reader (or a crash)
+never sees half a file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import tempfile
+from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+
+def library_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for package in ("cel-book", "torch", "transformers", "datasets", "numpy", "scipy"):
+        try:
+            versions[package] = version(package)
+        except PackageNotFoundError:
+            versions[package] = "not installed"
+    return versions
+
+
+def slug(text: str) -> str:
+    """A file-name-safe form of a model or task name."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-")
+
+
+def artifact_name(model_name: str, task: str, seed: int) -> str:
+    return f"{slug(model_name)}__{slug(task)}__seed{seed}.json"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, payload: dict) -> Path:
+    atomic_write_text(Path(path), json.dumps(payload, indent=1, sort_keys=False, default=_jsonable) + "\n")
+    return Path(path)
+
+
+def _jsonable(value: Any):
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"cannot store {type(value).__name__} in a JSON artifact")
+
+
+def read_artifact(path: Path) -> dict:
+    path = Path(path)
+    try:
+        payload = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not a valid CEL artifact (broken JSON: {error})") from None
+    if payload.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(f"{path}: schema_version {payload.get('schema_version')!r}, this cel_utils reads {SCHEMA_VERSION}")
+    return payload
+
+
+def load_artifacts(results_dir: Path) -> list[dict]:
+    """Every artifact in a folder (sorted by file name), skipping nothing silently: a bad file raises."""
+    return [read_artifact(path) for path in sorted(Path(results_dir).glob("*.json"))]
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def check_writable(directory: Path) -> Path:
+    """Fail before long work starts if results cannot be written."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test."):
+            pass
+    except OSError as error:
+        raise PermissionError(f"results directory {str(directory)!r} is not writable ({error.strerror}): "
+                              "choose another results_dir") from None
+    return directory

@@ -1,0 +1,151 @@
+"""One CEL run end to end: validate parameters, load model and data, search on discovery, evaluate the
+frozen set on the holdout, and write the JSON artifact. The per-run notebook calls this; so can scripts.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from cel_utils.artifacts import SCHEMA_VERSION, artifact_name, check_writable, library_versions, utc_now, write_json
+from cel_utils.evaluation import Evaluator, NaiveEvaluator
+from cel_utils.heads import HeadGeometry, format_heads
+from cel_utils.models import DEFAULT_MODEL, LoadedModel, display_name, load_model
+from cel_utils.prompts import FORMATS
+from cel_utils.search import HoldoutResult, SearchResult, check_search_params, evaluate_holdout, run_search
+from cel_utils.splits import TaskData, load_task_data
+from cel_utils.tasks import get_task
+
+ENGINES = ("fast", "naive")
+
+
+@dataclass
+class RunConfig:
+    """Everything that defines a run; stored verbatim in the artifact."""
+
+    model: str = DEFAULT_MODEL
+    task: str = "arithmetic"
+    n_discovery: int | None = None  # None: the paper's Table 3 size
+    n_holdout: int | None = None
+    p: int = 10
+    k: int = 3
+    seed: int = 0
+    fmt: str = "plain"
+    num_fewshot: int | None = None  # None: the task's default (MBPP 3, others 0)
+    data_dir: str | None = None  # local mirror; None: $CEL_DATA_DIR, else the hub
+    results_dir: str = "results"
+    batch_size: int = 8
+    device: str = "auto"
+    dtype: str = "auto"
+    max_new_tokens: int = 256
+    engine: str = "fast"
+
+    def validate(self) -> "RunConfig":
+        """Cheap checks that catch bad input before any model or data is loaded."""
+        get_task(self.task)
+        if self.fmt not in FORMATS:
+            raise ValueError(f"unknown prompt format {self.fmt!r}: choose from {FORMATS}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"unknown engine {self.engine!r}: choose from {ENGINES}")
+        for name in ("batch_size", "max_new_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("n_discovery", "n_holdout"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None (the paper's size), got {value!r}")
+        check_search_params(self.p, self.k, 10**9)  # the head count is checked once the model is loaded
+        check_writable(Path(self.results_dir))
+        return self
+
+    @property
+    def artifact_path(self) -> Path:
+        return Path(self.results_dir) / artifact_name(display_name(self.model), self.task, self.seed)
+
+
+@dataclass
+class CelRun:
+    config: RunConfig
+    lm: LoadedModel
+    data: TaskData
+    search: SearchResult
+    holdout: HoldoutResult
+    artifact: Path
+    timings: dict = field(default_factory=dict)
+
+
+def make_evaluator(lm: LoadedModel, data: TaskData, items, config: RunConfig, progress: bool = True) -> Evaluator:
+    kwargs = dict(fmt=config.fmt, batch_size=config.batch_size, max_new_tokens=config.max_new_tokens, progress=progress)
+    if config.engine == "fast":
+        from cel_utils.engine import EngineEvaluator
+
+        return EngineEvaluator(lm, data.task, items, data.fewshot, **kwargs)
+    return NaiveEvaluator(lm, data.task, items, data.fewshot, **kwargs)
+
+
+def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool = True) -> CelRun:
+    config.validate()
+    timings = {}
+    start = time.perf_counter()
+    data = load_task_data(config.task, config.n_discovery, config.n_holdout, seed=config.seed,
+                          num_fewshot=config.num_fewshot, data_dir=config.data_dir)
+    timings["data_s"] = time.perf_counter() - start
+    if lm is None:
+        start = time.perf_counter()
+        lm = load_model(config.model, device=config.device, dtype=config.dtype)
+        timings["model_load_s"] = time.perf_counter() - start
+    check_search_params(config.p, config.k, lm.geometry.n_total)
+
+    start = time.perf_counter()
+    discovery = make_evaluator(lm, data, data.discovery, config, progress)
+    search = run_search(discovery, p=config.p, k=config.k)
+    timings.update(search.timings)
+    timings["search_s"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    holdout = evaluate_holdout(make_evaluator(lm, data, data.holdout, config, progress), search.frozen)
+    timings["holdout_s"] = time.perf_counter() - start
+
+    payload = build_artifact(config, lm, data, search, holdout, timings)
+    path = write_json(config.artifact_path, payload)
+    return CelRun(config=config, lm=lm, data=data, search=search, holdout=holdout, artifact=path, timings=timings)
+
+
+def _bits(values: np.ndarray) -> list[int]:
+    return [int(v) for v in values]
+
+
+def build_artifact(config: RunConfig, lm: LoadedModel, data: TaskData, search: SearchResult, holdout: HoldoutResult,
+                   timings: dict) -> dict:
+    geometry: HeadGeometry = lm.geometry
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "cel-run",
+        "created": utc_now(),
+        "config": asdict(config),
+        "model": {"spec": lm.spec, "name": lm.name, "source": lm.source, "fingerprint": lm.fingerprint,
+                  "dtype": str(lm.dtype).removeprefix("torch."), "device": str(lm.device),
+                  "geometry": asdict(geometry), "model_type": lm.model.config.model_type},
+        "task": {"name": data.task.name, "kind": data.task.kind, "metric": data.task.metric,
+                 "metrics": list(data.task.all_metrics)},
+        "data": data.provenance,
+        "discovery": {"item_ids": [item.id for item in data.discovery],
+                      "full_accuracy": search.full.accuracy, "full_correct": _bits(search.full.correct),
+                      "full_metrics": search.full.metric_means()},
+        "stage1": [s.to_json() for s in search.stage1],
+        "pool": [str(heads[0]) for heads in search.pool],
+        "stage2": [s.to_json() for s in search.stage2],
+        "frozen": {"heads": [str(h) for h in search.frozen], "label": format_heads(search.frozen),
+                   "discovery": search.best.to_json()},
+        "holdout": {**holdout.summary(), "item_ids": [item.id for item in data.holdout],
+                    "full_correct": _bits(holdout.full.correct), "ablated_correct": _bits(holdout.ablated.correct),
+                    "full_metric_vectors": {k: _bits(v) for k, v in holdout.full.metrics.items()},
+                    "ablated_metric_vectors": {k: _bits(v) for k, v in holdout.ablated.metrics.items()},
+                    "full_predictions": holdout.full.predictions, "ablated_predictions": holdout.ablated.predictions},
+        "n_interventions_evaluated": search.n_evaluated,
+        "timings": timings,
+        "versions": library_versions(),
+    }
