@@ -31,6 +31,7 @@ class Request:
     continuations: tuple[tuple[int, ...], ...]  # one for greedy-match tasks, one per choice otherwise
     gold: int
     choice_chars: tuple[int, ...]  # length in characters of each choice (without delimiter), for acc_norm
+    # (lm-eval's convention)
     prompt: str
     answers: tuple[str, ...]
 
@@ -68,7 +69,7 @@ def render_context(task: TaskSpec, doc: dict, fewshot: list[Item], fmt: str, tok
     """The full prompt text for one item, exemplars included."""
     _check_format(fmt)
     if fmt == "plain":
-        shots = [task.doc_to_text(ex.doc) + task.doc_to_target(ex.doc) for ex in fewshot]
+        shots = [task.doc_to_text(ex.doc) + task.target_delimiter + task.doc_to_target(ex.doc) for ex in fewshot]
         text = FEWSHOT_DELIMITER.join(shots + [task.doc_to_text(doc)])
         return (tokenizer.bos_token + text) if _wants_bos(tokenizer, model_type) else text
     if not getattr(tokenizer, "chat_template", None):
@@ -105,21 +106,22 @@ def build_requests(task: TaskSpec, items: list[Item], fewshot: list[Item], token
     for item in items:
         context = render_context(task, item.doc, fewshot, fmt, tokenizer, model_type)
         if task.kind == "greedy":
-            answers, gold = [task.doc_to_target(item.doc)], 0
+            choices, gold = [task.doc_to_target(item.doc)], 0
         else:
-            answers, gold = task.doc_to_choices(item.doc), task.doc_to_gold(item.doc)
-        if fmt == "chat":
-            answers = [a.lstrip(" ") for a in answers]
+            choices, gold = task.doc_to_choices(item.doc), task.doc_to_gold(item.doc)
+        if fmt == "chat":  # the assistant's turn starts fresh: no delimiter, no leading space
+            answers = [c.lstrip(" ") for c in choices]
             context_ids = _encode(tokenizer, context)
             continuations = [_encode(tokenizer, a) for a in answers]
         else:
+            answers = [task.target_delimiter + c for c in choices]
             pairs = [encode_pair(tokenizer, context, a) for a in answers]
             context_ids = pairs[0][0]
             continuations = [cont for _, cont in pairs]
         if not context_ids or not all(continuations):
             raise ValueError(f"{task.name} item {item.id}: empty context or answer after tokenization")
         requests.append(Request(item_id=item.id, context=tuple(context_ids), continuations=tuple(map(tuple, continuations)),
-                                gold=gold, choice_chars=tuple(len(a.lstrip(" ")) for a in answers), prompt=context,
+                                gold=gold, choice_chars=tuple(len(c) for c in choices), prompt=context,
                                 answers=tuple(answers)))
     return requests
 

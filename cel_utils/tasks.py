@@ -40,12 +40,13 @@ class TaskSpec:
     metric: str  # the primary metric: "acc", "acc_norm" or "pass@1"
     fields: dict[str, type]  # required fields of a row and their types, checked before any work starts
     doc_to_text: Callable[[dict], str]
-    doc_to_target: Callable[[dict], str]  # the answer text as a few-shot exemplar shows it
+    doc_to_target: Callable[[dict], str]  # the answer as a few-shot exemplar shows it (after the delimiter)
     holdout_split: str
     discovery_split: str | None  # None: discovery is drawn from the holdout split's pool (arithmetic)
     paper_sizes: tuple[int, int]  # (discovery, holdout) of the paper's Table 3
     configs: tuple[str | None, ...] = (None,)
-    doc_to_choices: Callable[[dict], list[str]] | None = None  # continuations, delimiter included
+    doc_to_choices: Callable[[dict], list[str]] | None = None  # answers, without the delimiter
+    target_delimiter: str = ""  # between prompt and answer (lm-eval's; arithmetic's answers carry their space)
     doc_to_gold: Callable[[dict], int] | None = None
     validate: Callable[[dict], None] | None = None  # extra per-row checks beyond field types
     fewshot_split: str | None = None  # a dedicated exemplar split (MBPP "prompt"); else unused items
@@ -127,8 +128,8 @@ TASKS: dict[str, TaskSpec] = {
         name="boolq", source=Source("google/boolq", "boolq"), kind="choice", metric="acc",
         fields={"question": str, "passage": str, "answer": bool},
         doc_to_text=lambda doc: f"{doc['passage']}\nQuestion: {doc['question']}?\nAnswer:",
-        doc_to_target=lambda doc: " yes" if doc["answer"] else " no",
-        doc_to_choices=lambda doc: [" no", " yes"], doc_to_gold=lambda doc: int(doc["answer"]),
+        doc_to_target=lambda doc: "yes" if doc["answer"] else "no", target_delimiter=" ",
+        doc_to_choices=lambda doc: ["no", "yes"], doc_to_gold=lambda doc: int(doc["answer"]),
         holdout_split="validation", discovery_split="train", paper_sizes=(2000, 3270),
     ),
     "hellaswag": TaskSpec(
@@ -136,8 +137,8 @@ TASKS: dict[str, TaskSpec] = {
         metrics=("acc_norm", "acc"),
         fields={"activity_label": str, "ctx_a": str, "ctx_b": str, "endings": list, "label": str},
         doc_to_text=_hellaswag_query,
-        doc_to_target=lambda doc: " " + hellaswag_clean(doc["endings"][_hellaswag_gold(doc)]),
-        doc_to_choices=lambda doc: [" " + hellaswag_clean(ending) for ending in doc["endings"]],
+        doc_to_target=lambda doc: hellaswag_clean(doc["endings"][_hellaswag_gold(doc)]), target_delimiter=" ",
+        doc_to_choices=lambda doc: [hellaswag_clean(ending) for ending in doc["endings"]],
         doc_to_gold=_hellaswag_gold, validate=_hellaswag_validate,
         holdout_split="validation", discovery_split="train", paper_sizes=(2000, 10042),
     ),

@@ -1,0 +1,329 @@
+"""A fast evaluation engine that is exact by construction.
+
+Screening evaluates hundreds of interventions on the same items. Most of that work repeats, and this
+engine skips the repeats without changing what is computed:
+
+* **Reuse below the ablated layer.** Ablating heads whose lowest layer is l changes nothing in layers
+  0..l-1. For each batch the full model runs once with the residual stream kept at every layer boundary;
+  an intervention starting at layer l then runs only layers l..L-1 from the kept state. This is done with
+  the model's own forward (masks, rotary embeddings and all), with layers 0..l-1 swapped for stand-ins
+  that hand back the kept state, so every supported family works unchanged.
+* **Stack interventions.** Interventions with the same starting layer run together, each as its own
+  copy of the batch with its own per-row head mask (:func:`cel_utils.ablation.ablated_rows`), so the
+  matmuls are larger.
+* **Only the scored logits.** The unembedding runs only at the positions the scorer reads; for
+  two-choice tasks scored by plain accuracy with one-token answers (BoolQ), only those vocabulary rows:
+  the log-softmax normaliser is shared by both answers, so comparing logits decides exactly as comparing
+  log-likelihoods.
+* **Shared contexts.** Multiple-choice answers that share a context are packed into one sequence: the
+  context once, then every answer, each answer attending to the context and to itself only (a block
+  attention mask) with position ids continuing from the context. That is the same computation as
+  scoring each (context, answer) pair alone, with the context done once instead of once per answer.
+* **Length batching.** Items are tokenized once, sorted by length and batched under a token budget.
+
+Loop order is batch-outer, intervention-inner: memory is bounded by one batch's kept states,
+``rows x tokens x hidden x layers`` values (e.g. 16 x 200 x 576 x 30 fp32 = 221 MB for SmolLM2-135M),
+plus one stacked forward of at most ``token_budget`` tokens.
+
+MBPP (generation) stacks interventions as rows of one batch and decodes incrementally with a KV cache;
+there is no below-layer reuse for generated tokens.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from cel_utils.ablation import ablated_rows, head_mask
+from cel_utils.evaluation import Evaluator, Intervention
+from cel_utils.models import architecture, decoder_layers, get_module
+from cel_utils.prompts import Request
+from cel_utils.scoring import ContinuationStats, Outcome, continuation_stats, decide
+
+ENGINE_VERSION = "1"
+
+
+# --- Replaying kept states -------------------------------------------------------------------------------
+
+class _Passthrough(nn.Module):
+    """Stands in for a skipped layer: returns its input."""
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return hidden_states
+
+
+class _Replay(nn.Module):
+    """Stands in for the first layer: returns the kept residual stream after layer l-1."""
+
+    def __init__(self, state: torch.Tensor):
+        super().__init__()
+        self.state = state
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return self.state
+
+
+@contextmanager
+def start_at_layer(model: nn.Module, layer: int, state: torch.Tensor | None) -> Iterator[None]:
+    """Run the model's forward from ``layer`` on, with ``state`` as the residual stream entering it."""
+    if layer == 0:
+        yield
+        return
+    layers = decoder_layers(model)
+    originals = [layers[i] for i in range(layer)]
+    try:
+        layers[0] = _Replay(state)
+        for i in range(1, layer):
+            layers[i] = _Passthrough()
+        yield
+    finally:
+        for i, original in enumerate(originals):
+            layers[i] = original
+
+
+@contextmanager
+def capture_layer_outputs(model: nn.Module, layers_wanted: Iterable[int]) -> Iterator[dict[int, torch.Tensor]]:
+    kept: dict[int, torch.Tensor] = {}
+    layers = decoder_layers(model)
+    handles = []
+
+    def make_hook(index: int):
+        def hook(module, args, output):
+            kept[index] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    try:
+        for index in sorted(set(layers_wanted)):
+            handles.append(layers[index].register_forward_hook(make_hook(index)))
+        yield kept
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The module that runs embeddings -> layers -> final norm (``model.model``, GPT-2's ``transformer``)."""
+    return get_module(model, architecture(model)[0].rsplit(".", 1)[0])
+
+
+def unembed(model: nn.Module, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits from final (normed) hidden states, optionally for some vocabulary rows only."""
+    head = model.get_output_embeddings()
+    weight = head.weight if rows is None else head.weight[rows]
+    bias = getattr(head, "bias", None)
+    bias = None if bias is None else (bias if rows is None else bias[rows])
+    logits = nn.functional.linear(hidden, weight, bias)
+    cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+# --- Layouts: what one batch row holds and which positions are scored -------------------------------------
+
+@dataclass
+class _Row:
+    tokens: list[int]
+    positions: list[int] | None  # explicit position ids (packed choices), else 0..n-1
+    segments: list[tuple[int, int]]  # packed: [start, end) of each answer's tokens inside the row
+    context_len: int
+    scored: list[tuple[list[int], list[int]]]  # per continuation: (positions read, target token ids)
+
+
+def _layout(request: Request, shortcut: bool) -> _Row:
+    context = list(request.context)
+    n = len(context)
+    conts = [list(c) for c in request.continuations]
+    if shortcut:  # one position, the answers' vocabulary rows
+        return _Row(tokens=context, positions=None, segments=[], context_len=n,
+                    scored=[([n - 1], [c[0]]) for c in conts])
+    if len(conts) == 1:  # greedy match: context + target, teacher forced
+        cont = conts[0]
+        return _Row(tokens=context + cont[:-1], positions=None, segments=[], context_len=n,
+                    scored=[(list(range(n - 1, n - 1 + len(cont))), cont)])
+    tokens, positions, segments, scored = list(context), list(range(n)), [], []
+    for cont in conts:
+        start = len(tokens)
+        tokens += cont[:-1]
+        positions += list(range(n, n + len(cont) - 1))
+        segments.append((start, len(tokens)))
+        scored.append(([n - 1] + list(range(start, len(tokens))), cont))
+    return _Row(tokens=tokens, positions=positions, segments=segments, context_len=n, scored=scored)
+
+
+def _block_mask(rows: list[_Row], width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive 4D mask [rows, 1, width, width]: causal over the context, each answer sees the context and
+    itself. Padding positions see only themselves, so no softmax row is empty (no NaN)."""
+    allowed = torch.zeros(len(rows), width, width, dtype=torch.bool)
+    causal = torch.tril(torch.ones(width, width, dtype=torch.bool))
+    for r, row in enumerate(rows):
+        n = row.context_len
+        allowed[r, :n, :n] = causal[:n, :n]
+        for start, end in row.segments:
+            allowed[r, start:end, :n] = True
+            allowed[r, start:end, start:end] = causal[: end - start, : end - start]
+        for pad in range(len(row.tokens), width):
+            allowed[r, pad, pad] = True
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+# --- The evaluator ----------------------------------------------------------------------------------------
+
+class EngineEvaluator(Evaluator):
+    """Drop-in replacement for :class:`cel_utils.evaluation.NaiveEvaluator`, same decisions, less work.
+
+    ``token_budget`` caps the tokens of one forward (rows x width), which bounds memory; ``batch_size``
+    caps the items per batch.
+    """
+
+    def __init__(self, *args, token_budget: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.token_budget = token_budget or default_token_budget(self.lm.device)
+        if self.task.kind != "generate":
+            self.shortcut = (self.task.kind == "choice" and self.task.metric == "acc"
+                             and all(len(c) == 1 for r in self.requests for c in r.continuations))
+            self.rows = [_layout(r, self.shortcut) for r in self.requests]
+            self.batches = self._make_batches()
+
+    def _make_batches(self) -> list[list[int]]:
+        order = sorted(range(len(self.rows)), key=lambda i: -len(self.rows[i].tokens))
+        batches, current = [], []
+        for i in order:
+            width = len(self.rows[current[0]].tokens) if current else len(self.rows[i].tokens)
+            if current and (len(current) >= self.batch_size or (len(current) + 1) * width > self.token_budget):
+                batches.append(current)
+                current = []
+            current.append(i)
+        if current:
+            batches.append(current)
+        return batches
+
+    def evaluate(self, interventions: Iterable[Iterable], desc: str | None = None) -> list[Outcome]:
+        interventions = self._canonical(interventions)
+        if self.task.kind == "generate":
+            return self._evaluate_generation(interventions, desc)
+        results = self.continuation_stats(interventions, desc)
+        return [decide(self.task, self.requests, stats) for stats in results]
+
+    # Log-likelihood tasks -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def continuation_stats(self, interventions: Sequence[Intervention], desc: str | None = None
+                           ) -> list[list[ContinuationStats]]:
+        """Per intervention, per request: the same statistics the naive path computes."""
+        per = [[None] * len(self.requests) for _ in interventions]
+        by_layer: dict[int, list[int]] = {}
+        for index, heads in enumerate(interventions):
+            start = min(h.layer for h in heads) if heads else self.lm.geometry.n_layers  # "L" = full model
+            by_layer.setdefault(start, []).append(index)
+        wanted = [layer - 1 for layer in by_layer if 0 < layer < self.lm.geometry.n_layers]
+        masks = {i: head_mask(interventions[i], self.lm.geometry) for i in range(len(interventions))}
+        progress = tqdm(total=len(self.batches) * len(interventions), desc=desc or f"{self.task.name} (engine)",
+                        disable=not self.progress or len(interventions) < 2, unit="eval")
+        for batch in self.batches:
+            rows = [self.rows[i] for i in batch]
+            ids, positions, attn = self._inputs(rows)
+            with capture_layer_outputs(self.lm.model, wanted) as kept:
+                clean = base_model(self.lm.model)(input_ids=ids, position_ids=positions, attention_mask=attn).last_hidden_state
+            for index in by_layer.get(self.lm.geometry.n_layers, []):  # the full model: the clean pass itself
+                self._collect(per[index], batch, rows, clean)
+                progress.update(1)
+            for layer, members in sorted(by_layer.items()):
+                if layer == self.lm.geometry.n_layers:
+                    continue
+                stack = max(1, self.token_budget // (len(batch) * ids.shape[1]))
+                for chunk_start in range(0, len(members), stack):
+                    chunk = members[chunk_start:chunk_start + stack]
+                    m = len(chunk)
+                    row_masks = torch.cat([masks[i].expand(len(batch), -1, -1) for i in chunk])
+                    state = kept[layer - 1].repeat(m, 1, 1) if layer > 0 else None
+                    with ablated_rows(self.lm.model, row_masks, self.lm.geometry), start_at_layer(self.lm.model, layer, state):
+                        hidden = base_model(self.lm.model)(
+                            input_ids=ids.repeat(m, 1), attention_mask=None if attn is None else attn.repeat(m, 1, 1, 1),
+                            position_ids=None if positions is None else positions.repeat(m, 1)).last_hidden_state
+                    for j, index in enumerate(chunk):
+                        self._collect(per[index], batch, rows, hidden[j * len(batch):(j + 1) * len(batch)])
+                    progress.update(m)
+            del kept
+        progress.close()
+        return per
+
+    def _inputs(self, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        width = max(len(row.tokens) for row in rows)
+        pad = self.lm.tokenizer.pad_token_id
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        for r, row in enumerate(rows):
+            ids[r, :len(row.tokens)] = torch.tensor(row.tokens)
+        positions = attn = None
+        if any(row.positions is not None for row in rows):  # packed answers need positions and a block mask
+            positions = torch.zeros((len(rows), width), dtype=torch.long)
+            for r, row in enumerate(rows):
+                positions[r, :len(row.tokens)] = torch.tensor(row.positions or list(range(len(row.tokens))))
+                positions[r, len(row.tokens):] = torch.arange(len(row.tokens), width)
+            attn = _block_mask(rows, width, self.lm.dtype).to(self.lm.device)
+            positions = positions.to(self.lm.device)
+        return ids.to(self.lm.device), positions, attn
+
+    def _collect(self, out: list, batch: list[int], rows: list[_Row], hidden: torch.Tensor) -> None:
+        """Unembed only the scored positions of the batch (one matmul) and turn them into statistics."""
+        model, device = self.lm.model, hidden.device
+        if self.shortcut:
+            vocab = sorted({targets[0] for row in rows for _, targets in row.scored})
+            column = {token: j for j, token in enumerate(vocab)}
+            last = torch.tensor([row.context_len - 1 for row in rows], device=device)
+            logits = unembed(model, hidden[torch.arange(len(rows), device=device), last],
+                             torch.tensor(vocab, device=device)).double().cpu().numpy()
+            for r, (index, row) in enumerate(zip(batch, rows)):
+                lls = np.array([logits[r, column[targets[0]]] for _, targets in row.scored])
+                out[index] = ContinuationStats(ll=lls, greedy=np.zeros(len(lls), bool),
+                                               greedy_margin=np.full(len(lls), np.nan))
+            return
+        row_index = [r for r, row in enumerate(rows) for positions, _ in row.scored for _ in positions]
+        pos_index = [p for row in rows for positions, _ in row.scored for p in positions]
+        logits = unembed(model, hidden[torch.tensor(row_index, device=device), torch.tensor(pos_index, device=device)])
+        offset = 0
+        for index, row in zip(batch, rows):
+            stats = []
+            for positions, targets in row.scored:
+                part = logits[offset:offset + len(positions)]
+                offset += len(positions)
+                stats.append(continuation_stats(part, torch.tensor(targets, device=device)))
+            out[index] = ContinuationStats(ll=np.array([s[0] for s in stats]), greedy=np.array([s[1] for s in stats]),
+                                           greedy_margin=np.array([s[2] for s in stats]))
+
+    # Generation -------------------------------------------------------------------------------------------
+
+    def _evaluate_generation(self, interventions: list[Intervention], desc: str | None) -> list[Outcome]:
+        from cel_utils.generation import generate, score_generations
+
+        n = len(self.requests)
+        rows_per_call = max(self.batch_size, min(64, self.token_budget // max(1, max(len(r.context) for r in self.requests))))
+        stack = max(1, rows_per_call // n) if n <= rows_per_call else 1
+        outcomes: list[Outcome] = []
+        for chunk_start in tqdm(range(0, len(interventions), stack), desc=desc or f"{self.task.name} (engine)",
+                                disable=not self.progress or len(interventions) < 2):
+            chunk = interventions[chunk_start:chunk_start + stack]
+            row_masks = torch.cat([head_mask(heads, self.lm.geometry).expand(n, -1, -1) for heads in chunk])
+            completions = generate(self.lm, self.requests * len(chunk), row_masks=row_masks,
+                                   batch_size=min(rows_per_call, n * len(chunk)), max_new_tokens=self.max_new_tokens)
+            for j in range(len(chunk)):
+                outcomes.append(score_generations(self.requests, completions[j * n:(j + 1) * n], timeout_s=self.exec_timeout_s))
+        return outcomes
+
+
+def default_token_budget(device: torch.device) -> int:
+    """Tokens per forward: modest on CPU (larger batches do not run faster there), larger on a GPU,
+    scaled to free memory."""
+    if device.type != "cuda":
+        return 4096
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(min(262144, max(8192, free / 2 ** 20 * 16)))

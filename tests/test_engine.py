@@ -1,0 +1,83 @@
+"""The fast engine decides exactly as the naive path: every family, every task kind, any batch size."""
+import numpy as np
+import pytest
+import torch
+
+from cel_utils.engine import EngineEvaluator, base_model, capture_layer_outputs, start_at_layer
+from cel_utils.evaluation import NaiveEvaluator
+from cel_utils.heads import HeadId
+from cel_utils.random_models import FAMILIES
+from cel_utils.splits import load_task_data
+
+TIE = 1e-4  # |margin| below this is a float tie: either decision is right
+
+
+def _interventions(geometry):
+    last = geometry.n_layers - 1
+    return [(), (HeadId(0, 0),), (HeadId(1, 2),), (HeadId(last, geometry.n_heads - 1),),
+            (HeadId(0, 1), HeadId(last, 0)), (HeadId(1, 0), HeadId(1, 1), HeadId(2, 3))]
+
+
+def assert_same_decisions(reference, candidate):
+    assert len(reference) == len(candidate)
+    for ref, out in zip(reference, candidate):
+        assert ref.item_ids == out.item_ids
+        clear = np.abs(ref.margin) > TIE
+        assert clear.mean() > 0.5, "too many ties for the comparison to mean anything"
+        assert np.array_equal(ref.correct[clear], out.correct[clear])
+        np.testing.assert_allclose(out.margin, ref.margin, atol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def task_data(data_dir):
+    return {task: load_task_data(task, 3, 3, seed=0, num_fewshot=nf, data_dir=data_dir)
+            for task, nf in [("arithmetic", 1), ("boolq", 0), ("hellaswag", 0)]}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("task", ["arithmetic", "boolq", "hellaswag"])
+def test_engine_matches_naive(tiny_models, task_data, family, task):
+    lm, data = tiny_models[family], task_data[task]
+    interventions = _interventions(lm.geometry)
+    reference = NaiveEvaluator(lm, data.task, data.discovery, data.fewshot, progress=False).evaluate(interventions)
+    for batch_size, budget in [(1, 4096), (4, 4096), (4, 64)]:  # budget 64 forces one intervention per forward
+        engine = EngineEvaluator(lm, data.task, data.discovery, data.fewshot, batch_size=batch_size,
+                                 token_budget=budget, progress=False)
+        assert_same_decisions(reference, engine.evaluate(interventions))
+
+
+def test_boolq_reads_two_vocabulary_rows_and_hellaswag_packs_answers(tiny_models, task_data):
+    lm = tiny_models["llama"]
+    boolq = EngineEvaluator(lm, task_data["boolq"].task, task_data["boolq"].discovery, progress=False)
+    hellaswag = EngineEvaluator(lm, task_data["hellaswag"].task, task_data["hellaswag"].discovery, progress=False)
+    assert boolq.shortcut and not hellaswag.shortcut
+    for row, request in zip(hellaswag.rows, hellaswag.requests):
+        naive_tokens = sum(len(request.context) + len(c) - 1 for c in request.continuations)
+        assert len(row.tokens) == naive_tokens - 3 * len(request.context)  # the context once, not four times
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma3_text"])
+def test_replaying_kept_states_reproduces_the_full_forward(tiny_models, family):
+    lm = tiny_models[family]
+    ids = torch.randint(0, 1000, (2, 7), generator=torch.Generator().manual_seed(0))
+    base = base_model(lm.model)
+    with torch.no_grad(), capture_layer_outputs(lm.model, [0, 1]) as kept:
+        full = base(input_ids=ids).last_hidden_state
+    for layer in (1, 2):
+        with torch.no_grad(), start_at_layer(lm.model, layer, kept[layer - 1]):
+            resumed = base(input_ids=ids).last_hidden_state
+        torch.testing.assert_close(resumed, full, rtol=0, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(base(input_ids=ids).last_hidden_state, full, rtol=0, atol=0)  # layers restored
+
+
+def test_generation_stacks_interventions_without_changing_outputs(tiny_models, data_dir, monkeypatch):
+    import cel_utils.generation as generation
+
+    monkeypatch.setattr(generation, "score_generations", lambda requests, completions, **kw: completions)
+    lm = tiny_models["llama"]
+    data = load_task_data("mbpp", 2, 2, seed=0, num_fewshot=0, data_dir=data_dir)
+    interventions = _interventions(lm.geometry)[:4]
+    naive = NaiveEvaluator(lm, data.task, data.discovery, max_new_tokens=6, progress=False)
+    engine = EngineEvaluator(lm, data.task, data.discovery, max_new_tokens=6, batch_size=8, progress=False)
+    assert engine.evaluate(interventions) == naive.evaluate(interventions)

@@ -1,0 +1,117 @@
+"""The grid runner: presets, planning, and a 2-cell grid through submitit's local executor with one failing cell."""
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from cel_utils import grid
+from cel_utils.__main__ import main
+from cel_utils.book import BookPaths, toc_dict
+
+REPO = Path(__file__).resolve().parents[1]
+MIRROR = Path(os.environ.get("CEL_DATA_DIR") or REPO.parent / "shared" / "data")
+DATA_DIR = str(MIRROR) if MIRROR.is_dir() else None
+GOOD, BAD = "random:llama:tiny", "random:nosuch:tiny"  # the second fails when run_cel loads the model
+
+
+def test_presets_cover_every_task_family():
+    for name, table in grid.PRESETS.items():
+        assert set(table) == set(grid.DEFAULT_TASKS), name
+    paper = grid.PRESETS["paper"]
+    assert all(row.n_discovery is None and row.n_holdout is None and (row.p, row.k) == (10, 3) for row in paper.values())
+    assert grid.preset_for("cpu", "arithmetic_2da") == grid.PRESETS["cpu"]["arithmetic"]
+    assert grid.resolve_preset("auto") in ("cpu", "paper")
+    with pytest.raises(ValueError, match="unknown preset"):
+        grid.resolve_preset("huge")
+
+
+def test_plan_applies_preset_and_overrides_and_validates_first(tmp_path):
+    cells = grid.plan([GOOD], ["arithmetic_2da", "boolq"], [0, 1], "cpu", runs_dir=tmp_path / "runs",
+                      results_dir=tmp_path / "results", engine="naive", n_holdout=7)
+    assert [c.name for c in cells] == ["random-llama-tiny__arithmetic_2da__seed0", "random-llama-tiny__arithmetic_2da__seed1",
+                                       "random-llama-tiny__boolq__seed0", "random-llama-tiny__boolq__seed1"]
+    first = cells[0].parameters
+    assert first["n_discovery"] == grid.PRESETS["cpu"]["arithmetic"].n_discovery and first["n_holdout"] == 7
+    assert first["engine"] == "naive" and Path(first["results_dir"]).is_absolute()
+    assert cells[0].page == tmp_path / "runs" / "random-llama-tiny__arithmetic_2da__seed0.ipynb"
+    with pytest.raises(ValueError, match=r"grid cell \(m, nosuchtask, seed 0\): unknown task"):
+        grid.plan(["m"], ["nosuchtask"], [0], "cpu", results_dir=tmp_path / "results")
+    with pytest.raises(ValueError, match="pool size p=1 is smaller than the budget k=2"):
+        grid.plan(["m"], ["boolq"], [0], "cpu", results_dir=tmp_path / "results", p=1)
+
+
+@pytest.fixture(scope="module")
+def ran_grid(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grid")
+    (root / "_toc.template.yml").write_text((REPO / "_toc.template.yml").read_text())
+    cells = grid.plan([GOOD, BAD], ["arithmetic_2da"], [0], "smoke", runs_dir=root / "book" / "runs",
+                      results_dir=root / "results", cwd=root, engine="naive", data_dir=DATA_DIR)
+    seen = []
+    results = grid.run_grid(cells, "submitit-local", log_dir=root / "submitit", progress=False, poll_s=0.5,
+                            on_result=seen.append)
+    return root, cells, results, seen
+
+
+def test_submitit_grid_reports_the_failed_cell_and_finishes_the_other(ran_grid):
+    root, cells, results, seen = ran_grid
+    assert len(seen) == 2
+    by_model = {r.model: r for r in results}
+    ok, failed = by_model[GOOD], by_model[BAD]
+    assert ok.status == "ok" and ok.holdout["n_items"] == 8
+    assert failed.status == "failed" and "ValueError: unknown family 'nosuch'" in failed.error
+    summary = grid.summary_text(results)
+    assert "1 ok, 0 skipped (up to date), 1 failed" in summary and "FAILED  random-nosuch-tiny" in summary
+
+    runs, results_dir = root / "book" / "runs", root / "results"
+    assert sorted(p.name for p in runs.glob("*.ipynb")) == ["random-llama-tiny__arithmetic_2da__seed0.ipynb"]
+    assert sorted(p.name for p in results_dir.glob("*.json")) == ["random-llama-tiny__arithmetic_2da__seed0.json"]
+    assert (results_dir / "failed" / "random-nosuch-tiny__arithmetic_2da__seed0.ipynb").exists()
+    assert not list((results_dir / ".running").glob("*"))
+    page = nbformat.read(runs / "random-llama-tiny__arithmetic_2da__seed0.ipynb", as_version=4)
+    assert page.cells[0].source.startswith("# CEL run: random:llama:tiny on arithmetic_2da")
+
+    toc = toc_dict(BookPaths(root=root))
+    run_part = next(p for p in toc["parts"] if p["caption"] == "Runs")
+    assert [c["file"] for c in run_part["chapters"]] == ["book/runs/random-llama-tiny__arithmetic_2da__seed0.ipynb"]
+
+
+def test_skip_existing_reuses_an_up_to_date_cell(ran_grid):
+    root, cells, _, _ = ran_grid
+    good = next(c for c in cells if c.parameters["model"] == GOOD)
+    assert grid.run_cell(good, skip_existing=True).status == "skipped"
+    assert grid.up_to_date(grid.with_overrides(good, n_holdout=9)) is None  # other sizes: run again
+
+
+def test_a_failure_after_the_artifact_was_written_leaves_nothing_in_the_book(tmp_path):
+    template = nbformat.read(grid.DEFAULT_NOTEBOOK, as_version=4)
+    template.cells.append(nbformat.v4.new_code_cell('raise RuntimeError("the last cell broke")'))
+    broken = tmp_path / "broken.ipynb"
+    nbformat.write(template, broken)
+    (cell,) = grid.plan([GOOD], ["arithmetic_2da"], [0], "smoke", runs_dir=tmp_path / "runs",
+                        results_dir=tmp_path / "results", notebook=broken, engine="naive", data_dir=DATA_DIR)
+    result = grid.run_cell(cell)
+    assert result.status == "failed" and "RuntimeError: the last cell broke" in result.error
+    assert not cell.page.exists() and not cell.artifact.exists()
+    assert (tmp_path / "results" / "failed" / f"{cell.name}.json").exists()  # kept for debugging, outside the book
+
+
+def test_cli_exit_codes(tmp_path, capsys):
+    common = ["--root", str(tmp_path), "--tasks", "arithmetic_2da", "--preset", "smoke", "--engine", "naive"]
+    common += ["--data-dir", DATA_DIR] if DATA_DIR else []
+    assert main(["grid", "--models", "m", "--tasks", "nosuchtask", "--root", str(tmp_path)]) == 2  # nothing runs
+    assert "unknown task" in capsys.readouterr().err
+    assert main(["grid", "--models", BAD, *common]) == 1
+    out = capsys.readouterr().out
+    assert "0 ok, 0 skipped (up to date), 1 failed" in out
+    assert not list((tmp_path / "results").glob("*.json"))
+
+
+def test_cell_is_picklable_for_submitit():
+    import pickle
+
+    (cell,) = grid.plan([GOOD], ["boolq"], [0], "smoke", results_dir="/tmp")
+    assert pickle.loads(pickle.dumps(cell)).parameters == cell.parameters
+    assert json.dumps(asdict(grid.CellResult("n", "m", "t", 0, "ok")))

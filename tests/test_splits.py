@@ -1,0 +1,96 @@
+"""Splits: paper sizes, nesting, disjointness by content, fallbacks and provenance, clear size errors."""
+import re
+
+import pytest
+
+from cel_utils.arithmetic_gen import ARITHMETIC_CONFIGS, generate_arithmetic
+from cel_utils.splits import check_disjoint, content_key, load_task_data
+from cel_utils.tasks import Item, get_task
+
+
+def _keys(task, items):
+    return {content_key(task, item.doc) for item in items}
+
+
+def test_arithmetic_pools_all_ten_configs(data_dir):
+    data = load_task_data("arithmetic", 300, 200, seed=1, num_fewshot=2, data_dir=data_dir)
+    assert len(data.discovery) == 300 and len(data.holdout) == 200 and len(data.fewshot) == 2
+    configs = {item.id.split("/")[0] for item in data.discovery + data.holdout}
+    assert configs == set(ARITHMETIC_CONFIGS)
+    assert not _keys(data.task, data.discovery) & _keys(data.task, data.holdout)
+    assert not _keys(data.task, data.fewshot) & (_keys(data.task, data.discovery) | _keys(data.task, data.holdout))
+    assert data.provenance["source"] == "mirror"
+
+
+def test_paper_default_sizes(data_dir):
+    data = load_task_data("arithmetic", data_dir=data_dir)
+    assert (len(data.discovery), len(data.holdout)) == (2000, 1000)
+    mbpp = load_task_data("mbpp", data_dir=data_dir)
+    assert (len(mbpp.discovery), len(mbpp.holdout)) == (374, 500)
+    assert [item.id for item in mbpp.fewshot] == ["2", "3", "4"]
+
+
+def test_draws_are_seeded_and_nested(data_dir):
+    small = load_task_data("arithmetic_2da", 10, 20, seed=3, data_dir=data_dir)
+    large = load_task_data("arithmetic_2da", 50, 20, seed=3, data_dir=data_dir)
+    other = load_task_data("arithmetic_2da", 10, 20, seed=4, data_dir=data_dir)
+    assert [i.id for i in small.holdout] == [i.id for i in large.holdout]  # holdout ignores discovery size
+    assert {i.id for i in small.discovery} <= {i.id for i in large.discovery}
+    assert [i.id for i in small.holdout] != [i.id for i in other.holdout]
+
+
+def test_missing_train_split_falls_back_and_says_so(data_dir):
+    data = load_task_data("boolq", 40, 60, seed=0, data_dir=data_dir)
+    assert "fallback" in data.provenance and "train" in data.provenance["fallback"]
+    assert all(item.id.startswith("validation/") for item in data.discovery)
+    assert not _keys(data.task, data.discovery) & _keys(data.task, data.holdout)
+
+
+def test_mbpp_uses_train_and_test(data_dir):
+    data = load_task_data("mbpp", 10, 12, seed=0, data_dir=data_dir)
+    assert all(601 <= int(i.id) <= 974 for i in data.discovery)
+    assert all(11 <= int(i.id) <= 510 for i in data.holdout)
+    assert "fallback" not in data.provenance
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(n_discovery=0), "positive integer"),
+    (dict(n_holdout=-3), "positive integer"),
+    (dict(n_discovery=2001), "larger than the 2000 items available"),
+    (dict(n_discovery=1500, n_holdout=600), "larger than the 500 items available"),
+])
+def test_sizes_beyond_the_data_are_clear_errors(data_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        load_task_data("arithmetic_2da", **{"n_discovery": 10, "n_holdout": 10, **kwargs}, data_dir=data_dir)
+
+
+def test_missing_data_dir_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does-not-exist"):
+        load_task_data("boolq", 5, 5, data_dir=tmp_path / "does-not-exist")
+
+
+def test_overlap_by_content_is_an_error():
+    task = get_task("arithmetic_2da")
+    doc = {"context": "Question: What is 1 plus 1?\nAnswer:", "completion": " 2"}
+    with pytest.raises(ValueError, match="also occur in the holdout"):
+        check_disjoint(task, [Item("a", dict(doc))], [Item("b", dict(doc))])
+
+
+def test_generator_matches_the_dataset_format(data_dir):
+    import json
+    from pathlib import Path
+
+    for config in ARITHMETIC_CONFIGS:
+        real = [json.loads(line) for line in (Path(data_dir) / "arithmetic" / f"{config}.jsonl").open()][:50]
+        made = generate_arithmetic(config, n=200, seed=0)
+        for rows in (real, made):
+            for row in rows:
+                assert re.fullmatch(r"Question: What is .+\?\nAnswer:", row["context"])
+                assert re.fullmatch(r" -?\d+", row["completion"])
+        question = made[0]["context"].removeprefix("Question: What is ").removesuffix("?\nAnswer:")
+        expression = question.replace("plus", "+").replace("minus", "-").replace("times", "*")
+        assert eval(expression) == int(made[0]["completion"])  # the answer is right
+        word = {"a": "plus", "s": "minus", "m": "times"}.get(config[-1])
+        if word:
+            assert all(word in row["context"] for row in real + made)
+    assert generate_arithmetic("arithmetic_3ds", 5, seed=1) == generate_arithmetic("arithmetic_3ds", 5, seed=1)
