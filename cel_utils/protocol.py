@@ -3,6 +3,7 @@ frozen set on the holdout, and write the JSON artifact. The per-run notebook cal
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -12,8 +13,10 @@ import numpy as np
 from cel_utils.artifacts import SCHEMA_VERSION, artifact_name, check_writable, library_versions, utc_now, write_json
 from cel_utils.evaluation import Evaluator, NaiveEvaluator
 from cel_utils.heads import HeadGeometry, format_heads
-from cel_utils.models import DEFAULT_MODEL, LoadedModel, display_name, load_model
+from cel_utils.models import DEFAULT_MODEL, LoadedModel, display_name, load_model, resolve_device, resolve_dtype
+from cel_utils.outcomes import OutcomeTable
 from cel_utils.prompts import FORMATS
+from cel_utils.reliability import RESAMPLE_METHODS, assess_run
 from cel_utils.search import HoldoutResult, SearchResult, check_search_params, evaluate_holdout, run_search
 from cel_utils.splits import TaskData, load_task_data
 from cel_utils.tasks import get_task
@@ -41,6 +44,16 @@ class RunConfig:
     dtype: str = "auto"
     max_new_tokens: int = 256
     engine: str = "fast"
+    # Opt-in fast mode: screen stage 1 in this dtype (e.g. "bfloat16"), then re-evaluate the top
+    # rescore_factor * p heads in the model's own precision before the pool is chosen.
+    screen_dtype: str | None = None
+    rescore_factor: int = 3
+    # Beyond the point estimate (cel_utils.reliability): the holdout gains of n_random_sets random head sets
+    # of the frozen set's size (one holdout evaluation each), and Algorithm 1 rerun on n_resamples resampled
+    # discovery sets ("bootstrap" or "halves"). 0 turns either off; the paired test on the holdout is free.
+    n_random_sets: int = 100
+    n_resamples: int = 50
+    resample: str = "bootstrap"
 
     def validate(self) -> "RunConfig":
         """Cheap checks that catch bad input before any model or data is loaded."""
@@ -58,6 +71,16 @@ class RunConfig:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None (the paper's size), got {value!r}")
         check_search_params(self.p, self.k, 10**9)  # the head count is checked once the model is loaded
+        if self.screen_dtype is not None:
+            resolve_dtype(self.screen_dtype, resolve_device("cpu"))
+        if not isinstance(self.rescore_factor, int) or self.rescore_factor < 1:
+            raise ValueError(f"rescore_factor must be a positive integer, got {self.rescore_factor!r}")
+        for name in ("n_random_sets", "n_resamples"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer (0 turns it off), got {value!r}")
+        if self.resample not in RESAMPLE_METHODS:
+            raise ValueError(f"unknown resampling method {self.resample!r}: choose from {RESAMPLE_METHODS}")
         check_writable(Path(self.results_dir))
         return self
 
@@ -75,6 +98,14 @@ class CelRun:
     holdout: HoldoutResult
     artifact: Path
     timings: dict = field(default_factory=dict)
+
+
+def lower_precision(lm: LoadedModel, dtype: str) -> LoadedModel:
+    """A copy of the model in another dtype, for the screening pass of the fast mode."""
+    import copy
+
+    target = resolve_dtype(dtype, lm.device)
+    return dataclasses.replace(lm, model=copy.deepcopy(lm.model).to(target), dtype=target)
 
 
 def make_evaluator(lm: LoadedModel, data: TaskData, items, config: RunConfig, progress: bool = True) -> Evaluator:
@@ -100,8 +131,12 @@ def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool = T
     check_search_params(config.p, config.k, lm.geometry.n_total)
 
     start = time.perf_counter()
-    discovery = make_evaluator(lm, data, data.discovery, config, progress)
-    search = run_search(discovery, p=config.p, k=config.k)
+    # The table keeps every per-item outcome of the search, which the stability analysis resamples.
+    discovery = OutcomeTable(make_evaluator(lm, data, data.discovery, config, progress))
+    screen = None
+    if config.screen_dtype:
+        screen = make_evaluator(lower_precision(lm, config.screen_dtype), data, data.discovery, config, progress)
+    search = run_search(discovery, p=config.p, k=config.k, screen=screen, rescore=config.rescore_factor * config.p)
     timings.update(search.timings)
     timings["search_s"] = time.perf_counter() - start
 
@@ -109,7 +144,13 @@ def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool = T
     holdout = evaluate_holdout(make_evaluator(lm, data, data.holdout, config, progress), search.frozen)
     timings["holdout_s"] = time.perf_counter() - start
 
-    payload = build_artifact(config, lm, data, search, holdout, timings)
+    start = time.perf_counter()
+    reliability = assess_run(search, holdout, discovery, make_evaluator(lm, data, data.holdout, config, progress),
+                             n_random_sets=config.n_random_sets, n_resamples=config.n_resamples,
+                             resample=config.resample, seed=config.seed)
+    timings["reliability_s"] = time.perf_counter() - start
+
+    payload = build_artifact(config, lm, data, search, holdout, timings, reliability)
     path = write_json(config.artifact_path, payload)
     return CelRun(config=config, lm=lm, data=data, search=search, holdout=holdout, artifact=path, timings=timings)
 
@@ -119,7 +160,7 @@ def _bits(values: np.ndarray) -> list[int]:
 
 
 def build_artifact(config: RunConfig, lm: LoadedModel, data: TaskData, search: SearchResult, holdout: HoldoutResult,
-                   timings: dict) -> dict:
+                   timings: dict, reliability: dict | None = None) -> dict:
     geometry: HeadGeometry = lm.geometry
     return {
         "schema_version": SCHEMA_VERSION,
@@ -146,6 +187,7 @@ def build_artifact(config: RunConfig, lm: LoadedModel, data: TaskData, search: S
                     "ablated_metric_vectors": {k: _bits(v) for k, v in holdout.ablated.metrics.items()},
                     "full_predictions": holdout.full.predictions, "ablated_predictions": holdout.ablated.predictions},
         "n_interventions_evaluated": search.n_evaluated,
+        "reliability": reliability,  # cel_utils.reliability.assess_run; None when not assessed
         "timings": timings,
         "versions": library_versions(),
     }

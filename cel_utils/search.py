@@ -37,6 +37,7 @@ class Score:
     gain_count: int  # n_correct(ablated) - n_correct(full)
     harm: int
     help: int
+    screened: bool = False  # True: scored only by the low-precision screen, never re-evaluated exactly
 
     @property
     def accuracy(self) -> float:
@@ -48,16 +49,17 @@ class Score:
         return 100.0 * self.gain_count / self.n_items
 
     def to_json(self) -> dict:
-        return {"heads": [str(h) for h in self.heads], "accuracy": self.accuracy, "gain_points": self.gain,
-                "n_correct": self.n_correct, "harm": self.harm, "help": self.help}
+        payload = {"heads": [str(h) for h in self.heads], "accuracy": self.accuracy, "gain_points": self.gain,
+                   "n_correct": self.n_correct, "harm": self.harm, "help": self.help}
+        return {**payload, "screened": True} if self.screened else payload
 
 
-def score(heads: Intervention, ablated: Outcome, full: Outcome) -> Score:
+def score(heads: Intervention, ablated: Outcome, full: Outcome, screened: bool = False) -> Score:
     if ablated.item_ids != full.item_ids:
         raise ValueError("ablated and full outcomes are over different items")
     a, f = ablated.correct, full.correct
     return Score(heads=heads, n_correct=int(a.sum()), n_items=len(a), gain_count=int(a.sum()) - int(f.sum()),
-                 harm=int((f & ~a).sum()), help=int((~f & a).sum()))
+                 harm=int((f & ~a).sum()), help=int((~f & a).sum()), screened=screened)
 
 
 def rank_key(s: Score) -> tuple:
@@ -96,17 +98,34 @@ def check_search_params(p: int, k: int, n_heads: int) -> None:
         raise ValueError(f"pool size p={p} is larger than the model's {n_heads} heads: use p <= {n_heads}")
 
 
-def run_search(discovery: Evaluator, p: int = 10, k: int = 3, candidates: list[HeadId] | None = None) -> SearchResult:
-    """Algorithm 1 on a discovery evaluator. ``candidates`` restricts stage 1 (default: every head)."""
+def run_search(discovery: Evaluator, p: int = 10, k: int = 3, candidates: list[HeadId] | None = None,
+               screen: Evaluator | None = None, rescore: int | None = None) -> SearchResult:
+    """Algorithm 1 on a discovery evaluator. ``candidates`` restricts stage 1 (default: every head).
+
+    With a ``screen`` evaluator (the same items on a cheaper, e.g. bf16, copy of the model), stage 1 runs
+    there first and only its top ``rescore`` heads (default 3p) are re-evaluated exactly; the pool is
+    drawn from those exact scores, and stage 2 is exact. This is the opt-in fast mode: it is exact
+    whenever the true top-p heads are within the screen's top ``rescore``.
+    """
     geometry = discovery.lm.geometry
     candidates = geometry.all_heads() if candidates is None else list(candidates)
     check_search_params(p, k, len(candidates))
     timings = {}
     start = time.perf_counter()
     singles = [(head,) for head in candidates]
-    outcomes = discovery.evaluate([()] + singles, desc=f"stage 1: full + {len(singles)} heads")
-    full, single_outcomes = outcomes[0], outcomes[1:]
-    stage1 = rank([score(heads, out, full) for heads, out in zip(singles, single_outcomes)])
+    if screen is None:
+        outcomes = discovery.evaluate([()] + singles, desc=f"stage 1: full + {len(singles)} heads")
+        full, single_outcomes = outcomes[0], outcomes[1:]
+        stage1 = rank([score(heads, out, full) for heads, out in zip(singles, single_outcomes)])
+    else:
+        outcomes = screen.evaluate([()] + singles, desc=f"stage 1 screen: full + {len(singles)} heads")
+        screened = rank([score(heads, out, outcomes[0], screened=True) for heads, out in zip(singles, outcomes[1:])])
+        rescore = min(len(screened), rescore or 3 * p)
+        top = [s.heads for s in screened[:rescore]]
+        exact = discovery.evaluate([()] + top, desc=f"stage 1 rescore: full + top {rescore} heads")
+        full = exact[0]
+        stage1 = rank([score(heads, out, full) for heads, out in zip(top, exact[1:])]) + screened[rescore:]
+        timings["stage1_screen_rescored"] = rescore
     timings["stage1_s"] = time.perf_counter() - start
 
     pool = [s.heads for s in stage1[:p]]

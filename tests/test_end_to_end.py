@@ -1,0 +1,53 @@
+"""The real default model end to end: scores, batch-size invariance, a small search, MBPP generation."""
+import json
+
+import numpy as np
+import pytest
+
+from cel_utils.engine import EngineEvaluator
+from cel_utils.evaluation import NaiveEvaluator
+from cel_utils.protocol import RunConfig, run_cel
+from cel_utils.splits import load_task_data
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("task,n,fewshot", [("arithmetic", 16, 3), ("boolq", 8, 0), ("hellaswag", 8, 0)])
+def test_batch_size_does_not_change_decisions(default_model, data_dir, task, n, fewshot):
+    data = load_task_data(task, n, 4, seed=5, num_fewshot=fewshot, data_dir=data_dir)
+    heads = [(), (default_model.geometry.all_heads()[100],)]
+    one = NaiveEvaluator(default_model, data.task, data.discovery, data.fewshot, batch_size=1, progress=False).evaluate(heads)
+    many = NaiveEvaluator(default_model, data.task, data.discovery, data.fewshot, batch_size=8, progress=False).evaluate(heads)
+    engine = EngineEvaluator(default_model, data.task, data.discovery, data.fewshot, batch_size=5, progress=False).evaluate(heads)
+    for a, b, c in zip(one, many, engine):
+        assert np.array_equal(a.correct, b.correct) and np.array_equal(a.correct, c.correct)
+        np.testing.assert_allclose(b.margin, a.margin, atol=1e-3)
+        np.testing.assert_allclose(c.margin, a.margin, atol=1e-3)
+
+
+def test_small_search_writes_a_complete_artifact(default_model, data_dir, tmp_path):
+    config = RunConfig(task="arithmetic_1dc", n_discovery=6, n_holdout=10, p=2, k=2, num_fewshot=2,
+                       data_dir=data_dir, results_dir=str(tmp_path))
+    run = run_cel(config, lm=default_model, progress=False)
+    artifact = json.loads(run.artifact.read_text())
+    assert artifact["model"]["geometry"]["n_layers"] == 30
+    assert len(artifact["stage1"]) == 270 and len(artifact["stage2"]) == 2 + 1
+    assert artifact["frozen"]["heads"] == artifact["stage2"][0]["heads"]
+    assert len(artifact["holdout"]["full_correct"]) == 10
+    assert artifact["data"]["source"] == "mirror"
+    # the stored scores agree with the stored vectors
+    full = np.array(artifact["holdout"]["full_correct"], bool)
+    ablated = np.array(artifact["holdout"]["ablated_correct"], bool)
+    assert artifact["holdout"]["harm"] == int((full & ~ablated).sum())
+    assert artifact["holdout"]["ablated_accuracy"] == pytest.approx(ablated.mean())
+
+
+def test_mbpp_generation_runs_code_in_the_sandbox(default_model, data_dir):
+    data = load_task_data("mbpp", 2, 2, seed=0, data_dir=data_dir)
+    evaluator = EngineEvaluator(default_model, data.task, data.holdout, data.fewshot, max_new_tokens=96, progress=False)
+    (outcome,) = evaluator.evaluate([()])
+    assert len(outcome.predictions) == 2
+    for prediction in outcome.predictions:
+        assert "[DONE]" not in prediction["completion"]
+        assert prediction["status"] in {"passed", "failed", "exception", "syntax_error", "timeout", "early_exit", "killed"}
+    assert outcome.correct.dtype == bool
