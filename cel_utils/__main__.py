@@ -1,10 +1,12 @@
-"""Command line: ``python -m cel_utils {grid,aggregate,toc,book,main}``.
+"""Command line: ``python -m cel_utils {grid,aggregate,toc,book,main,strategies,export}``.
 
     grid       run the per-run notebook for every (model, task, seed) with papermill
     aggregate  turn the JSON artifacts into the results page (book/results.md)
     toc        write _toc.yml from _toc.template.yml and the executed notebooks
     book       theory notebooks + aggregate + toc + `jupyter-book build . -W -n --keep-going`
     main       grid with the default preset, then book
+    strategies the search strategies compared on one (model, task, seed) (not part of main: costly on a CPU)
+    export     write a run's frozen ablation as a standard Hugging Face checkpoint
 
 Every command exits non-zero when something failed, after doing everything it could (a failed grid cell
 does not stop the others; `main` still builds the book from the cells that succeeded).
@@ -42,6 +44,9 @@ def _grid_arguments(parser: argparse.ArgumentParser, defaults_for_main: bool = F
     s.add_argument("--device", help="auto (default), cpu, cuda, cuda:1, ...")
     s.add_argument("--dtype", help="auto (default: fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
     s.add_argument("--data-dir", help="local data mirror (default: $CEL_DATA_DIR, else the Hugging Face hub)")
+    s.add_argument("--n-random-sets", type=int, help="random head sets scored on the holdout as a null (0: off)")
+    s.add_argument("--n-resamples", type=int, help="reruns of the selection on resampled discovery sets (0: off)")
+    s.add_argument("--resample", choices=("bootstrap", "halves"), help="how discovery sets are resampled")
     x = parser.add_argument_group("execution")
     x.add_argument("--executor", choices=EXECUTORS, default="local",
                    help="local (default: in this process, or --jobs worker processes), submitit-local (one submitit "
@@ -84,7 +89,7 @@ def cmd_grid(args) -> int:
     paths = _paths(args)
     overrides = {name: getattr(args, name) for name in ("n_discovery", "n_holdout", "p", "k", "num_fewshot", "fmt",
                                                         "max_new_tokens", "batch_size", "engine", "device", "dtype",
-                                                        "data_dir")}
+                                                        "data_dir", "n_random_sets", "n_resamples", "resample")}
     try:
         cells = grid.plan(args.models, args.tasks, args.seeds, args.preset, runs_dir=paths.runs_dir,
                           results_dir=paths.results_dir, notebook=args.notebook or grid.DEFAULT_NOTEBOOK,
@@ -153,6 +158,120 @@ def cmd_main(args) -> int:
     return max(grid_status, book_status)
 
 
+STRATEGY_PARAMETERS = ("model", "task", "seed", "n_discovery", "n_holdout", "p", "k", "fmt", "num_fewshot", "data_dir",
+                       "results_dir", "batch_size", "device", "engine", "max_new_tokens", "beam_width",
+                       "attribution_candidates")
+
+
+def cmd_strategies(args) -> int:
+    """Execute notebooks/cel_strategies.ipynb with papermill for every (model, task, seed)."""
+    from dataclasses import asdict
+
+    import papermill as pm
+
+    from cel_utils import grid
+    from cel_utils.artifacts import artifact_name
+    from cel_utils.models import display_name
+    from cel_utils.protocol import RunConfig
+
+    paths = _paths(args)
+    notebook = Path(args.notebook or grid.PACKAGE_DIR.parent / "notebooks" / "cel_strategies.ipynb")
+    out_dir = paths.root / "book" / "strategies"
+    overrides = {name: getattr(args, name) for name in ("n_discovery", "n_holdout", "p", "k", "engine", "device",
+                                                        "batch_size", "data_dir") if getattr(args, name) is not None}
+    if "data_dir" in overrides:
+        overrides["data_dir"] = str(Path(overrides["data_dir"]).expanduser().resolve())
+    jobs = []
+    try:
+        for model in args.models:
+            for task in args.tasks:
+                for seed in args.seeds:
+                    parameters = {**asdict(grid.preset_for(args.preset, task)), "model": model, "task": task,
+                                  "seed": seed, "results_dir": str(paths.results_dir), **overrides,
+                                  "beam_width": args.beam_width, "attribution_candidates": args.attribution_candidates}
+                    parameters = {key: value for key, value in parameters.items() if key in STRATEGY_PARAMETERS}
+                    RunConfig(**{k: v for k, v in parameters.items() if k in RunConfig.__dataclass_fields__}).validate()
+                    jobs.append(parameters)
+    except (ValueError, TypeError, PermissionError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    status = 0
+    for parameters in jobs:
+        stem = artifact_name(display_name(parameters["model"]), parameters["task"], parameters["seed"]).removesuffix(".json")
+        target = out_dir / f"{stem}.ipynb"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        print(f"strategies: {stem} -> {target}", flush=True)
+        try:
+            pm.execute_notebook(str(notebook), str(target), parameters=parameters, kernel_name="python3",
+                                progress_bar=False, cwd=str(paths.root))
+        except Exception as error:  # noqa: BLE001 - reported; the other cells still run
+            print(f"FAILED {stem}: {grid._error_text(error)} (notebook kept in {target})", file=sys.stderr)
+            status = 1
+    print(f"summaries in {paths.results_dir / 'strategies'}; `python -m cel_utils aggregate` adds them to the results page")
+    return status
+
+
+def _strategies_arguments(parser: argparse.ArgumentParser) -> None:
+    from cel_utils.grid import PRESET_NAMES
+    from cel_utils.models import DEFAULT_MODEL
+
+    g = parser.add_argument_group("what to compare")
+    g.add_argument("--models", nargs="+", default=[DEFAULT_MODEL], metavar="MODEL")
+    g.add_argument("--tasks", nargs="+", required=True, metavar="TASK")
+    g.add_argument("--seeds", nargs="+", type=int, default=[0], metavar="SEED")
+    g.add_argument("--preset", choices=PRESET_NAMES, default="auto",
+                   help="sizes and p, k as for the grid (the same items as the run pages of the same preset)")
+    g.add_argument("--n-discovery", type=int)
+    g.add_argument("--n-holdout", type=int)
+    g.add_argument("--p", type=int, help="pool size")
+    g.add_argument("--k", type=int, help="budget")
+    g.add_argument("--batch-size", type=int)
+    g.add_argument("--engine", choices=("fast", "naive"))
+    g.add_argument("--device")
+    g.add_argument("--data-dir")
+    g.add_argument("--beam-width", type=int, default=3, help="sets kept per size by beam search (default 3)")
+    g.add_argument("--attribution-candidates", type=int,
+                   help="heads the attribution screen passes to exact evaluation (default: p)")
+    g.add_argument("--notebook", help="the strategies notebook (default: notebooks/cel_strategies.ipynb)")
+
+
+def cmd_export(args) -> int:
+    from cel_utils.artifacts import read_artifact
+    from cel_utils.export import export_ablated, verify_export
+    from cel_utils.heads import parse_head
+    from cel_utils.models import load_model
+
+    artifact = read_artifact(Path(args.artifact))
+    heads = [parse_head(h) for h in artifact["frozen"]["heads"]]
+    lm = load_model(artifact["config"]["model"], device=args.device, dtype=artifact["model"]["dtype"])
+    if lm.fingerprint != artifact["model"]["fingerprint"] and not args.force:
+        print(f"error: the weights of {artifact['config']['model']!r} loaded now (fingerprint {lm.fingerprint}) are not "
+              f"those the run used ({artifact['model']['fingerprint']}); pass --force to export anyway", file=sys.stderr)
+        return 2
+    try:
+        out = export_ablated(lm, heads, args.out, artifact=artifact, overwrite=args.overwrite)
+    except (FileExistsError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"exported {lm.name} with {'+'.join(map(str, heads))} zeroed to {out}")
+    if args.no_verify:
+        return 0
+    difference = verify_export(lm, heads, out)
+    print(f"check: largest |logit difference| between the export (loaded without cel_utils) and the hooked model: "
+          f"{difference:.2e}")
+    return 0 if difference <= args.tolerance else 1
+
+
+def _export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--artifact", required=True, help="a run's JSON artifact (results/<model>__<task>__seed<N>.json)")
+    parser.add_argument("--out", required=True, help="the folder to write the checkpoint to")
+    parser.add_argument("--device", default="cpu", help="where to load the model (default: cpu)")
+    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty folder")
+    parser.add_argument("--force", action="store_true", help="export even if the model's weights changed since the run")
+    parser.add_argument("--no-verify", action="store_true", help="skip the logit check in a clean process")
+    parser.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed logit difference (default 1e-4)")
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="python -m cel_utils", description=__doc__.replace("``", ""),
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -163,6 +282,9 @@ def parser() -> argparse.ArgumentParser:
         "toc": ("write _toc.yml from the template and the executed notebooks", cmd_toc, [_path_arguments]),
         "book": ("theory notebooks, results page, toc, and jupyter-book build", cmd_book, [_path_arguments, _book_arguments]),
         "main": ("grid with the default preset, then book", cmd_main, [_grid_arguments, _path_arguments, _book_arguments]),
+        "strategies": ("compare search strategies on one (model, task, seed); executes notebooks/cel_strategies.ipynb",
+                       cmd_strategies, [_strategies_arguments, _path_arguments]),
+        "export": ("write a run's frozen ablation as a standard Hugging Face checkpoint", cmd_export, [_export_arguments]),
     }
     for name, (help_text, func, adders) in commands.items():
         command = sub.add_parser(name, help=help_text, description=help_text)

@@ -1,9 +1,11 @@
 """The JSON artifact of one CEL run (model, task, seed), written atomically.
 
 One file holds everything later stages need: the configuration, data provenance, every stage-1 and
-stage-2 score, the frozen set, the per-example correctness of the full and ablated models on the holdout,
-timings and library versions. Files are written to a temporary name and renamed, so a reader (or a crash)
-never sees half a file.
+stage-2 score, the frozen set, the per-example correctness of the full and ablated models on the holdout
+and library versions. It holds nothing that changes from one run of the same parameters to the next, so
+a rerun (or a run resumed after a crash) writes the same bytes; the creation time, timings and store use
+go to a small *run info* file beside it (:func:`run_info_path`). Files are written to a temporary name and
+renamed, so a reader (or a crash) never sees half a file.
 """
 from __future__ import annotations
 
@@ -52,6 +54,21 @@ def atomic_write_text(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def run_info_path(artifact: Path) -> Path:
+    """``results/run-info/<artifact name>``: the volatile facts of a run, kept out of the artifact. A sub-folder,
+    so that the ``*.json`` files of a results folder are artifacts only."""
+    artifact = Path(artifact)
+    return artifact.parent / "run-info" / artifact.name
+
+
+def read_run_info(artifact: Path) -> dict:
+    """The run info written beside an artifact, or {} when there is none (e.g. an artifact copied alone)."""
+    try:
+        return json.loads(run_info_path(artifact).read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
 
 
 def write_json(path: Path, payload: dict) -> Path:

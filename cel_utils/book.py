@@ -98,7 +98,10 @@ def toc_dict(paths: BookPaths) -> dict:
     runs = [{"file": _docname(p, paths.root), "title": run_title(p.stem)} for p in run_pages(paths)]
     theory = [{"file": _docname(paths.theory_dir / f"{name}.ipynb", paths.root)}
               for name in THEORY_NOTEBOOKS if (paths.theory_dir / f"{name}.ipynb").exists()]
-    generated = {"runs": runs, "theory": theory}
+    strategies_dir = paths.root / "book" / "strategies"  # `python -m cel_utils strategies` writes here
+    strategies = [{"file": _docname(p, paths.root), "title": "Strategies: " + run_title(p.stem)}
+                  for p in sorted(strategies_dir.glob("*.ipynb")) if not p.name.startswith(".")]
+    generated = {"runs": runs, "theory": theory, "strategies": strategies}
 
     def fill(entry: dict, key: str) -> dict | None:
         entry = dict(entry)

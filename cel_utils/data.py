@@ -53,13 +53,19 @@ def load_split(source: Source, config: str | None, split: str, data_dir: str | o
     if mirror is not None:
         folder = mirror / source.mirror_subdir
         if not folder.is_dir():
-            raise FileNotFoundError(f"local mirror {mirror} has no folder {source.mirror_subdir!r} for {source.hub_id}")
+            raise FileNotFoundError(f"local mirror {mirror} has no folder {source.mirror_subdir!r} for {source.hub_id}: "
+                                    "add it (laid out like shared/data), point data_dir at a mirror that has it, or "
+                                    "leave data_dir empty to load from the Hugging Face hub")
         try:
             dataset = datasets.load_dataset(str(folder), config, split=split)
         except ValueError as error:
             if "Unknown split" in str(error):
                 raise SplitUnavailable(f"{split!r} split of {source.hub_id} is not in the local mirror {folder}") from None
             raise
+        except datasets.exceptions.DatasetGenerationError as error:  # e.g. a field whose type changes between rows
+            raise ValueError(f"cannot read the {split!r} split of {source.hub_id} in the local mirror {folder} "
+                             f"({error.__cause__ or error}): fix the malformed rows (every row needs the same fields "
+                             "with the same types as the Hugging Face dataset)") from None
         provenance = {"source": "mirror", "path": str(folder), "dataset": source.hub_id, "config": config, "split": split}
     else:
         if _HUB_UNREACHABLE:

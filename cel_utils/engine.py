@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 
 from cel_utils.ablation import ablated_rows, head_mask
 from cel_utils.evaluation import Evaluator, Intervention
+from cel_utils.heads import format_heads
 from cel_utils.models import architecture, decoder_layers, get_module
 from cel_utils.prompts import Request
 from cel_utils.scoring import ContinuationStats, Outcome, continuation_stats, decide
@@ -185,6 +186,8 @@ class EngineEvaluator(Evaluator):
     caps the items per batch.
     """
 
+    store_kind = f"engine-{ENGINE_VERSION}"
+
     def __init__(self, *args, token_budget: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.token_budget = token_budget or default_token_budget(self.lm.device)
@@ -207,8 +210,12 @@ class EngineEvaluator(Evaluator):
             batches.append(current)
         return batches
 
-    def evaluate(self, interventions: Iterable[Iterable], desc: str | None = None) -> list[Outcome]:
-        interventions = self._canonical(interventions)
+    def store_fields(self) -> dict:
+        # The shortcut stores answer logits, not log-probabilities: a different quantity under the same name.
+        fields = super().store_fields()
+        return fields if self.task.kind == "generate" else {**fields, "shortcut": self.shortcut}
+
+    def _evaluate(self, interventions: list[Intervention], desc: str | None) -> list[Outcome]:
         if self.task.kind == "generate":
             return self._evaluate_generation(interventions, desc)
         results = self.continuation_stats(interventions, desc)
@@ -219,30 +226,52 @@ class EngineEvaluator(Evaluator):
     @torch.no_grad()
     def continuation_stats(self, interventions: Sequence[Intervention], desc: str | None = None
                            ) -> list[list[ContinuationStats]]:
-        """Per intervention, per request: the same statistics the naive path computes."""
+        """Per intervention, per request: the same statistics the naive path computes.
+
+        With a store, each batch first reads what is stored; the clean pass runs only if some forward is
+        missing, and each forward's results are written as it finishes. The forwards ("chunks") are cut
+        from the whole list, whatever is stored, and a chunk with anything missing is recomputed whole,
+        so a resumed run runs exactly the forwards an uninterrupted one would have run (same bits).
+        """
+        n_layers = self.lm.geometry.n_layers
         per = [[None] * len(self.requests) for _ in interventions]
         by_layer: dict[int, list[int]] = {}
         for index, heads in enumerate(interventions):
-            start = min(h.layer for h in heads) if heads else self.lm.geometry.n_layers  # "L" = full model
+            start = min(h.layer for h in heads) if heads else n_layers  # "L" = full model
             by_layer.setdefault(start, []).append(index)
-        wanted = [layer - 1 for layer in by_layer if 0 < layer < self.lm.geometry.n_layers]
+        wanted = [layer - 1 for layer in by_layer if 0 < layer < n_layers]
         masks = {i: head_mask(interventions[i], self.lm.geometry) for i in range(len(interventions))}
+        labels = [format_heads(heads) for heads in interventions]
         progress = tqdm(total=len(self.batches) * len(interventions), desc=desc or f"{self.task.name} (engine)",
                         disable=not self.progress or len(interventions) < 2, unit="eval")
         for batch in self.batches:
             rows = [self.rows[i] for i in batch]
+            stack = max(1, self.token_budget // (len(batch) * max(len(row.tokens) for row in rows)))
+            chunks = []  # (starting layer, interventions of one forward)
+            for layer, members in sorted(by_layer.items()):
+                size = stack if layer < n_layers else len(members)  # the full model is the clean pass itself
+                chunks += [(layer, members[s:s + size]) for s in range(0, len(members), size)]
+            key = self.store_key(batch) if self.stored else None
+            counts = self.continuation_counts(batch) if self.stored else None
+            stored = self.stored.load_stats(key, counts) if self.stored else {}
+            todo = []
+            for layer, chunk in chunks:
+                if all(labels[i] in stored for i in chunk):
+                    self._fill(per, chunk, batch, labels, stored)
+                    self.stored.served(len(chunk))
+                    progress.update(len(chunk))
+                else:
+                    todo.append((layer, chunk))
+            if not todo:
+                continue
             ids, positions, attn = self._inputs(rows)
             with capture_layer_outputs(self.lm.model, wanted) as kept:
                 clean = base_model(self.lm.model)(input_ids=ids, position_ids=positions, attention_mask=attn).last_hidden_state
-            for index in by_layer.get(self.lm.geometry.n_layers, []):  # the full model: the clean pass itself
-                self._collect(per[index], batch, rows, clean)
-                progress.update(1)
-            for layer, members in sorted(by_layer.items()):
-                if layer == self.lm.geometry.n_layers:
-                    continue
-                stack = max(1, self.token_budget // (len(batch) * ids.shape[1]))
-                for chunk_start in range(0, len(members), stack):
-                    chunk = members[chunk_start:chunk_start + stack]
+            for layer, chunk in todo:
+                if layer == n_layers:  # the full model: the clean pass itself
+                    for index in chunk:
+                        self._collect(per[index], batch, rows, clean)
+                else:
                     m = len(chunk)
                     row_masks = torch.cat([masks[i].expand(len(batch), -1, -1) for i in chunk])
                     state = kept[layer - 1].repeat(m, 1, 1) if layer > 0 else None
@@ -252,10 +281,19 @@ class EngineEvaluator(Evaluator):
                             position_ids=None if positions is None else positions.repeat(m, 1)).last_hidden_state
                     for j, index in enumerate(chunk):
                         self._collect(per[index], batch, rows, hidden[j * len(batch):(j + 1) * len(batch)])
-                    progress.update(m)
+                if self.stored:
+                    new = {labels[i]: [per[i][r] for r in batch] for i in chunk if labels[i] not in stored}
+                    self._fill(per, [i for i in chunk if labels[i] in stored], batch, labels, stored)  # one value per label
+                    self.stored.save_stats(key, counts, new)
+                progress.update(len(chunk))
             del kept
         progress.close()
         return per
+
+    def _fill(self, per: list, indices: list[int], batch: list[int], labels: list[str], stored: dict) -> None:
+        for index in indices:
+            for r, stats in zip(batch, stored[labels[index]]):
+                per[index][r] = stats
 
     def _inputs(self, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         width = max(len(row.tokens) for row in rows)
@@ -303,20 +341,33 @@ class EngineEvaluator(Evaluator):
     # Generation -------------------------------------------------------------------------------------------
 
     def _evaluate_generation(self, interventions: list[Intervention], desc: str | None) -> list[Outcome]:
+        """Interventions stacked as rows of one generation batch; stored whole chunks at a time, as the
+        log-likelihood path does, so a resumed run decodes exactly the batches an uninterrupted one would."""
         from cel_utils.generation import generate, score_generations
 
         n = len(self.requests)
         rows_per_call = max(self.batch_size, min(64, self.token_budget // max(1, max(len(r.context) for r in self.requests))))
         stack = max(1, rows_per_call // n) if n <= rows_per_call else 1
+        key = self.store_key(range(n)) if self.stored else None
+        stored = self.stored.load_completions(key, n) if self.stored else {}
         outcomes: list[Outcome] = []
         for chunk_start in tqdm(range(0, len(interventions), stack), desc=desc or f"{self.task.name} (engine)",
                                 disable=not self.progress or len(interventions) < 2):
             chunk = interventions[chunk_start:chunk_start + stack]
-            row_masks = torch.cat([head_mask(heads, self.lm.geometry).expand(n, -1, -1) for heads in chunk])
-            completions = generate(self.lm, self.requests * len(chunk), row_masks=row_masks,
-                                   batch_size=min(rows_per_call, n * len(chunk)), max_new_tokens=self.max_new_tokens)
-            for j in range(len(chunk)):
-                outcomes.append(score_generations(self.requests, completions[j * n:(j + 1) * n], timeout_s=self.exec_timeout_s))
+            labels = [format_heads(heads) for heads in chunk]
+            missing = [label for label in labels if label not in stored]
+            if missing:
+                row_masks = torch.cat([head_mask(heads, self.lm.geometry).expand(n, -1, -1) for heads in chunk])
+                completions = generate(self.lm, self.requests * len(chunk), row_masks=row_masks,
+                                       batch_size=min(rows_per_call, n * len(chunk)), max_new_tokens=self.max_new_tokens)
+                new = {label: completions[j * n:(j + 1) * n] for j, label in enumerate(labels) if label in missing}
+                if self.stored:
+                    self.stored.save_completions(key, new)
+                stored.update(new)
+            if self.stored and len(missing) < len(labels):
+                self.stored.served(len(labels) - len(missing))
+            for label in labels:
+                outcomes.append(score_generations(self.requests, stored[label], timeout_s=self.exec_timeout_s))
         return outcomes
 
 

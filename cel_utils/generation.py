@@ -5,11 +5,17 @@ position ids counted from each row's first real token, so a row decodes the same
 float rounding. Each row stops at its stop string (``[DONE]`` in the plain format, the closing code fence in
 the chat format) or at end of sequence; the batch ends when every row has stopped. A different head set
 per row (``row_masks``) lets the engine decode many interventions in one batch.
+
+Few-shot prompts share a long token prefix (MBPP's three exemplars are ~600 of ~700 prompt tokens). The
+prefix's keys and values are computed once per distinct head set in a batch and copied to its rows; each
+row then continues with its own tokens (padding sits between the prefix and the row's tokens, masked out,
+and positions continue from the prefix). Causal attention makes that the same computation as feeding each
+row's whole prompt.
 """
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -26,6 +32,48 @@ def _stop_ids(lm: LoadedModel) -> list[int]:
     configured = getattr(lm.model.generation_config, "eos_token_id", None)
     ids.update(configured if isinstance(configured, list) else [configured])
     return sorted(i for i in ids if i is not None)
+
+
+MIN_SHARED_PREFIX = 32  # shorter shared prefixes are not worth a separate forward
+
+
+def shared_prefix_length(contexts: Sequence[Sequence[int]]) -> int:
+    """Tokens all contexts start with, leaving every row at least one token of its own."""
+    shortest = min(len(c) for c in contexts)
+    n = 0
+    while n < shortest - 1 and all(c[n] == contexts[0][n] for c in contexts):
+        n += 1
+    return n
+
+
+def _ablation(lm: LoadedModel, heads, masks: torch.Tensor | None):
+    if masks is not None:
+        return ablated_rows(lm.model, masks, lm.geometry)
+    return ablated(lm.model, heads, lm.geometry) if heads else nullcontext()
+
+
+def _prefix_cache(lm: LoadedModel, prefix: Sequence[int], heads, masks: torch.Tensor | None, n_rows: int):
+    """KV cache of ``prefix`` for every row, computed once per distinct head set."""
+    from transformers import DynamicCache
+
+    if masks is None:
+        unique, index = None, torch.zeros(n_rows, dtype=torch.long)
+    else:
+        unique, index = torch.unique(masks.flatten(1), dim=0, return_inverse=True)
+        unique = unique.view(-1, *masks.shape[1:])
+    n_unique = 1 if unique is None else unique.shape[0]
+    cache = DynamicCache(config=lm.model.config)
+    ids = torch.tensor([list(prefix)] * n_unique, device=lm.device)
+    with _ablation(lm, heads, unique):
+        lm.model(input_ids=ids, cache=cache, use_cache=True)
+    for layer in cache.layers:
+        layer.batch_select_indices(index.to(lm.device))
+    return cache
+
+
+def _sliding_window(lm: LoadedModel) -> int | None:
+    config = lm.model.config.get_text_config()
+    return getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
 
 
 def cut_completion(text: str, stop: str | None) -> str:
@@ -45,24 +93,31 @@ def generate(lm: LoadedModel, requests: list[GenRequest], heads: Iterable[HeadId
     order = sorted(range(len(requests)), key=lambda i: -len(requests[i].context))  # similar lengths share a batch
     completions: list[str | None] = [None] * len(requests)
     stops = sorted({r.stop for r in requests if r.stop})
+    window = _sliding_window(lm)
     for start in range(0, len(order), batch_size):
         batch = order[start:start + batch_size]
-        width = max(len(requests[i].context) for i in batch)
+        contexts = [requests[i].context for i in batch]
+        masks = None if row_masks is None else row_masks[batch]
+        n_prefix = shared_prefix_length(contexts)
+        if n_prefix < MIN_SHARED_PREFIX or (window and max(map(len, contexts)) + max_new_tokens > window):
+            n_prefix = 0
+        own = max(len(c) - n_prefix for c in contexts)
+        width = n_prefix + own
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, i in enumerate(batch):
-            context = requests[i].context
-            ids[row, width - len(context):] = torch.tensor(context)
-            mask[row, width - len(context):] = 1
-        if row_masks is not None:
-            context = ablated_rows(lm.model, row_masks[batch], lm.geometry)
-        else:
-            context = ablated(lm.model, heads, lm.geometry) if heads else nullcontext()
-        with context:
+        for row, context in enumerate(contexts):
+            ids[row, :n_prefix] = torch.tensor(context[:n_prefix])
+            mask[row, :n_prefix] = 1
+            ids[row, width - (len(context) - n_prefix):] = torch.tensor(context[n_prefix:])
+            mask[row, width - (len(context) - n_prefix):] = 1
+        extra = {}
+        if n_prefix:
+            extra["cache"] = _prefix_cache(lm, contexts[0][:n_prefix], heads, masks, len(batch))
+        with _ablation(lm, heads, masks):
             out = lm.model.generate(
                 input_ids=ids.to(lm.device), attention_mask=mask.to(lm.device), max_new_tokens=max_new_tokens,
                 do_sample=False, temperature=None, top_p=None, top_k=None, num_beams=1,
-                eos_token_id=_stop_ids(lm), pad_token_id=pad, stop_strings=stops or None, tokenizer=tokenizer)
+                eos_token_id=_stop_ids(lm), pad_token_id=pad, stop_strings=stops or None, tokenizer=tokenizer, **extra)
         for row, i in enumerate(batch):
             text = tokenizer.decode(out[row, width:], skip_special_tokens=True)
             completions[i] = cut_completion(text, requests[i].stop)

@@ -44,30 +44,39 @@ class TaskPreset:
     fmt: str = "plain"
     max_new_tokens: int = 256  # only generation (MBPP) uses it
     batch_size: int = 8
+    # cel_utils.reliability: random head sets scored on the holdout (the null), and reruns of the selection on
+    # resampled discovery sets (stability). Each random set costs one holdout evaluation; each resample costs
+    # the subsets of its pool not yet evaluated, plus one holdout evaluation per distinct selection.
+    n_random_sets: int = 100
+    n_resamples: int = 50
+    resample: str = "bootstrap"
 
 
 # One row per (preset, task family). "arithmetic" also covers its single configs (arithmetic_2da, ...).
 # cpu: placeholders sized for a laptop, to be tuned once the fast engine exists; paper: the paper's Table 3
 # sizes with p=10, k=3 (for a GPU); smoke: seconds per cell with a random tiny model (tests, CI).
+# null / resamples (cel_utils.reliability): the paper preset runs 100 random sets and 50 bootstrap reruns; the
+# cpu preset only a few (measured on SmolLM2, 32 discovery / 100 holdout items: 10 random sets and 20 resamples
+# added about 40% to the search's time; these smaller numbers aim at about 20%).
 PRESETS: dict[str, dict[str, TaskPreset]] = {
     "cpu": {
-        #                        n_disc n_hold  p  k  fewshot  fmt      new_tok batch
-        "arithmetic": TaskPreset(64,    200,    5, 2, None,    "plain", 256,    8),
-        "boolq":      TaskPreset(16,    100,    5, 2, None,    "plain", 256,    8),
-        "hellaswag":  TaskPreset(16,    100,    5, 2, None,    "plain", 256,    8),
-        "mbpp":       TaskPreset(6,     20,     5, 2, None,    "plain", 128,    8),
+        #                        n_disc n_hold  p  k  fewshot  fmt      new_tok batch null resamples
+        "arithmetic": TaskPreset(64,    200,    5, 2, None,    "plain", 256,    8,    8,   10),
+        "boolq":      TaskPreset(16,    100,    5, 2, None,    "plain", 256,    8,    5,   8),
+        "hellaswag":  TaskPreset(16,    100,    5, 2, None,    "plain", 256,    8,    5,   8),
+        "mbpp":       TaskPreset(6,     20,     5, 2, None,    "plain", 128,    8,    3,   5),
     },
     "paper": {
-        "arithmetic": TaskPreset(None,  None,   10, 3, None,   "plain", 256,    32),
-        "boolq":      TaskPreset(None,  None,   10, 3, None,   "plain", 256,    32),
-        "hellaswag":  TaskPreset(None,  None,   10, 3, None,   "plain", 256,    32),
-        "mbpp":       TaskPreset(None,  None,   10, 3, None,   "plain", 256,    32),
+        "arithmetic": TaskPreset(None,  None,   10, 3, None,   "plain", 256,    32,   100, 50),
+        "boolq":      TaskPreset(None,  None,   10, 3, None,   "plain", 256,    32,   100, 50),
+        "hellaswag":  TaskPreset(None,  None,   10, 3, None,   "plain", 256,    32,   100, 50),
+        "mbpp":       TaskPreset(None,  None,   10, 3, None,   "plain", 256,    32,   100, 50),
     },
     "smoke": {
-        "arithmetic": TaskPreset(6,     8,      3, 2, None,    "plain", 32,     8),
-        "boolq":      TaskPreset(6,     8,      3, 2, None,    "plain", 32,     8),
-        "hellaswag":  TaskPreset(6,     8,      3, 2, None,    "plain", 32,     8),
-        "mbpp":       TaskPreset(2,     3,      3, 2, None,    "plain", 32,     8),
+        "arithmetic": TaskPreset(6,     8,      3, 2, None,    "plain", 32,     8,    3,   3),
+        "boolq":      TaskPreset(6,     8,      3, 2, None,    "plain", 32,     8,    3,   3),
+        "hellaswag":  TaskPreset(6,     8,      3, 2, None,    "plain", 32,     8,    3,   3),
+        "mbpp":       TaskPreset(2,     3,      3, 2, None,    "plain", 32,     8,    3,   3),
     },
 }
 PRESET_NAMES = ("auto", *PRESETS)
@@ -192,7 +201,8 @@ def plan(models: Iterable[str], tasks: Iterable[str], seeds: Iterable[int] = (0,
 
 # --- one cell ----------------------------------------------------------------------------------------------------
 
-_COMPARED = ("model", "task", "seed", "n_discovery", "n_holdout", "p", "k", "fmt", "num_fewshot", "max_new_tokens")
+_COMPARED = ("model", "task", "seed", "n_discovery", "n_holdout", "p", "k", "fmt", "num_fewshot", "max_new_tokens",
+             "n_random_sets", "n_resamples", "resample")
 
 
 def up_to_date(cell: Cell) -> dict | None:

@@ -48,7 +48,7 @@ class HeadGeometry:
         if not (0 <= head.layer < self.n_layers and 0 <= head.head < self.n_heads):
             raise ValueError(
                 f"head {head} is outside the model: it has layers 0..{self.n_layers - 1} and query heads "
-                f"0..{self.n_heads - 1} per layer (ids look like L0.H0 .. L{self.n_layers - 1}.H{self.n_heads - 1})"
+                f"0..{self.n_heads - 1} per layer: use ids from L0.H0 to L{self.n_layers - 1}.H{self.n_heads - 1}"
             )
         return head
 

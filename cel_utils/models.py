@@ -118,7 +118,16 @@ def _projection_in_features(module: nn.Module) -> int:
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}: use 'auto' (CUDA if present, else CPU), 'cpu', 'cuda' or "
+                         "'cuda:<index>'") from None
+    if resolved.type == "cuda" and (not torch.cuda.is_available()
+                                    or (resolved.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"device {device!r} is not available here ({torch.cuda.device_count()} CUDA device(s)): "
+                         "use device='auto' (CUDA if present, else CPU) or 'cpu'")
+    return resolved
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -199,25 +208,48 @@ def dequantized_checkpoint(gguf_path: Path) -> Path:
     return target
 
 
-def _locate(spec: str) -> tuple[str, dict]:
-    """Turn a spec into something from_pretrained can read, plus provenance for the artifact."""
+SPEC_FORMS = (f"{DEFAULT_MODEL!r}, a hub id 'org/name', a checkpoint directory (holding config.json), "
+              "a .gguf file, or 'random:<family>:<size>' (e.g. 'random:llama:tiny')")
+
+
+def check_model_spec(spec: str) -> str:
+    """Cheap checks of a model spec before anything is loaded; returns its kind (see the module docstring).
+
+    A hub id can only be checked by loading it; everything else fails here with the fix in the message.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"model spec must be a non-empty string, got {spec!r}: use {SPEC_FORMS}")
+    if spec.startswith("random:"):  # family and size are checked when it is built (grid tests rely on that)
+        return "random"
     if spec in _EMBEDDED:
-        gguf = embedded_gguf(spec)
-        return str(dequantized_checkpoint(gguf)), {"kind": "embedded-gguf", "gguf": str(gguf), "sha256": file_sha256(gguf)}
+        embedded_gguf(spec)  # the shipping package must be installed
+        return "embedded-gguf"
     path = Path(spec).expanduser()
     if spec.endswith(".gguf"):
         if not path.is_file():
-            raise FileNotFoundError(f"model spec {spec!r}: no such .gguf file")
-        return str(dequantized_checkpoint(path)), {"kind": "gguf", "gguf": str(path.resolve()), "sha256": file_sha256(path)}
+            raise FileNotFoundError(f"model spec {spec!r}: no such .gguf file; check the path")
+        return "gguf"
     if path.is_dir():
         if not (path / "config.json").exists():
-            raise FileNotFoundError(f"model spec {spec!r} is a directory without config.json, not a checkpoint")
-        return str(path), {"kind": "local", "path": str(path.resolve())}
+            raise FileNotFoundError(f"model spec {spec!r} is a directory without config.json, not a checkpoint: "
+                                    "point it at the folder that holds config.json and the weights")
+        return "local"
     if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
-        raise FileNotFoundError(
-            f"unknown model spec {spec!r}: not {DEFAULT_MODEL!r}, not a .gguf file, not a checkpoint directory, "
-            "and not a hub id of the form 'org/name'"
-        )
+        raise FileNotFoundError(f"unknown model spec {spec!r}: it is not a file or directory that exists; use {SPEC_FORMS}")
+    return "hub"
+
+
+def _locate(spec: str) -> tuple[str, dict]:
+    """Turn a spec into something from_pretrained can read, plus provenance for the artifact."""
+    kind = check_model_spec(spec)
+    if kind == "embedded-gguf":
+        gguf = embedded_gguf(spec)
+        return str(dequantized_checkpoint(gguf)), {"kind": "embedded-gguf", "gguf": str(gguf), "sha256": file_sha256(gguf)}
+    path = Path(spec).expanduser()
+    if kind == "gguf":
+        return str(dequantized_checkpoint(path)), {"kind": "gguf", "gguf": str(path.resolve()), "sha256": file_sha256(path)}
+    if kind == "local":
+        return str(path), {"kind": "local", "path": str(path.resolve())}
     return spec, {"kind": "hub", "id": spec}
 
 
@@ -235,7 +267,7 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str | torch.device = "auto"
     """Load a causal LM for evaluation and check that cel_utils knows its attention layout."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    if spec.startswith("random:"):
+    if check_model_spec(spec) == "random":
         from cel_utils.random_models import random_model
 
         family, _, size = spec.removeprefix("random:").partition(":")
@@ -246,7 +278,10 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str | torch.device = "auto"
     try:
         config = AutoConfig.from_pretrained(location)
     except OSError as error:
-        raise FileNotFoundError(f"cannot load model spec {spec!r}: {error}") from error
+        raise FileNotFoundError(
+            f"cannot load model spec {spec!r} ({error}): check the spelling of the hub id (it must exist and be "
+            "readable, `hf auth login` for gated models) and that the hub is reachable; offline, pass a local "
+            f"checkpoint directory. Model specs are {SPEC_FORMS}") from error
     architecture(config)  # fail before reading gigabytes of weights
     kwargs = {"dtype": dtype}
     if attn_implementation:

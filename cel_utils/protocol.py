@@ -10,15 +10,19 @@ from pathlib import Path
 
 import numpy as np
 
-from cel_utils.artifacts import SCHEMA_VERSION, artifact_name, check_writable, library_versions, utc_now, write_json
+from cel_utils.artifacts import (SCHEMA_VERSION, artifact_name, check_writable, library_versions, run_info_path, utc_now,
+                                 write_json)
 from cel_utils.evaluation import Evaluator, NaiveEvaluator
 from cel_utils.heads import HeadGeometry, format_heads
-from cel_utils.models import DEFAULT_MODEL, LoadedModel, display_name, load_model, resolve_device, resolve_dtype
+from cel_utils.data import resolve_data_dir
+from cel_utils.models import (DEFAULT_MODEL, LoadedModel, check_model_spec, display_name, load_model, resolve_device,
+                              resolve_dtype)
 from cel_utils.outcomes import OutcomeTable
 from cel_utils.prompts import FORMATS
 from cel_utils.reliability import RESAMPLE_METHODS, assess_run
 from cel_utils.search import HoldoutResult, SearchResult, check_search_params, evaluate_holdout, run_search
 from cel_utils.splits import TaskData, load_task_data
+from cel_utils.store import EvalStore
 from cel_utils.tasks import get_task
 
 ENGINES = ("fast", "naive")
@@ -44,6 +48,9 @@ class RunConfig:
     dtype: str = "auto"
     max_new_tokens: int = 256
     engine: str = "fast"
+    # Keep every finished evaluation in the store under $CEL_CACHE_DIR (default ~/.cache/cel-book), so a killed
+    # run resumes where it stopped; False computes everything afresh and stores nothing.
+    cache: bool = True
     # Opt-in fast mode: screen stage 1 in this dtype (e.g. "bfloat16"), then re-evaluate the top
     # rescore_factor * p heads in the model's own precision before the pool is chosen.
     screen_dtype: str | None = None
@@ -57,6 +64,7 @@ class RunConfig:
 
     def validate(self) -> "RunConfig":
         """Cheap checks that catch bad input before any model or data is loaded."""
+        check_model_spec(self.model)
         get_task(self.task)
         if self.fmt not in FORMATS:
             raise ValueError(f"unknown prompt format {self.fmt!r}: choose from {FORMATS}")
@@ -71,6 +79,18 @@ class RunConfig:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None (the paper's size), got {value!r}")
         check_search_params(self.p, self.k, 10**9)  # the head count is checked once the model is loaded
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.num_fewshot is not None and (not isinstance(self.num_fewshot, int) or isinstance(self.num_fewshot, bool)
+                                             or self.num_fewshot < 0):
+            raise ValueError(f"num_fewshot must be a non-negative integer or None (the task's default), got {self.num_fewshot!r}")
+        resolve_dtype(self.dtype, resolve_device(self.device))
+        resolve_data_dir(self.data_dir)
+        if not isinstance(self.cache, bool):
+            raise ValueError(f"cache must be True (keep evaluations in the store) or False, got {self.cache!r}; "
+                             "the store's folder is chosen with $CEL_CACHE_DIR")
+        if self.cache:
+            EvalStore()  # fails now, not after the search, if the store cannot be written
         if self.screen_dtype is not None:
             resolve_dtype(self.screen_dtype, resolve_device("cpu"))
         if not isinstance(self.rescore_factor, int) or self.rescore_factor < 1:
@@ -108,8 +128,14 @@ def lower_precision(lm: LoadedModel, dtype: str) -> LoadedModel:
     return dataclasses.replace(lm, model=copy.deepcopy(lm.model).to(target), dtype=target)
 
 
-def make_evaluator(lm: LoadedModel, data: TaskData, items, config: RunConfig, progress: bool = True) -> Evaluator:
-    kwargs = dict(fmt=config.fmt, batch_size=config.batch_size, max_new_tokens=config.max_new_tokens, progress=progress)
+def make_evaluator(lm: LoadedModel, data: TaskData, items, config: RunConfig, progress: bool = True,
+                   store: EvalStore | None = None) -> Evaluator:
+    """An evaluator of ``items`` as ``config`` says; with ``config.cache`` it reads and writes ``store``
+    (default: the store under $CEL_CACHE_DIR)."""
+    if config.cache and store is None:
+        store = EvalStore()
+    kwargs = dict(fmt=config.fmt, batch_size=config.batch_size, max_new_tokens=config.max_new_tokens, progress=progress,
+                  store=store if config.cache else None)
     if config.engine == "fast":
         from cel_utils.engine import EngineEvaluator
 
@@ -129,28 +155,37 @@ def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool = T
         lm = load_model(config.model, device=config.device, dtype=config.dtype)
         timings["model_load_s"] = time.perf_counter() - start
     check_search_params(config.p, config.k, lm.geometry.n_total)
+    store = EvalStore() if config.cache else None
 
     start = time.perf_counter()
+    # Every evaluator is built (its items tokenized) before the search: a bad item fails now, not hours later.
+    holdout_evaluator = make_evaluator(lm, data, data.holdout, config, progress, store)
     # The table keeps every per-item outcome of the search, which the stability analysis resamples.
-    discovery = OutcomeTable(make_evaluator(lm, data, data.discovery, config, progress))
+    discovery = OutcomeTable(make_evaluator(lm, data, data.discovery, config, progress, store))
     screen = None
     if config.screen_dtype:
-        screen = make_evaluator(lower_precision(lm, config.screen_dtype), data, data.discovery, config, progress)
+        screen = make_evaluator(lower_precision(lm, config.screen_dtype), data, data.discovery, config, progress, store)
     search = run_search(discovery, p=config.p, k=config.k, screen=screen, rescore=config.rescore_factor * config.p)
     timings.update(search.timings)
     timings["search_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    holdout = evaluate_holdout(make_evaluator(lm, data, data.holdout, config, progress), search.frozen)
+    holdout = evaluate_holdout(holdout_evaluator, search.frozen)
     timings["holdout_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    reliability = assess_run(search, holdout, discovery, make_evaluator(lm, data, data.holdout, config, progress),
-                             n_random_sets=config.n_random_sets, n_resamples=config.n_resamples,
-                             resample=config.resample, seed=config.seed)
+    reliability = assess_run(search, holdout, discovery, holdout_evaluator, n_random_sets=config.n_random_sets,
+                             n_resamples=config.n_resamples, resample=config.resample, seed=config.seed)
     timings["reliability_s"] = time.perf_counter() - start
+    timings.update(reliability.pop("timings", None) or {})  # volatile: to the run info, not the artifact
 
-    payload = build_artifact(config, lm, data, search, holdout, timings, reliability)
+    payload = build_artifact(config, lm, data, search, holdout, reliability)
+    # What differs between two runs of the same parameters goes beside the artifact, so that the artifact
+    # itself is the same bytes every time (and after a resumed run). Written before the artifact, so an
+    # artifact's run info is never an older run's.
+    write_json(run_info_path(config.artifact_path),
+               {"artifact": config.artifact_path.name, "created": utc_now(), "timings": timings,
+                "store": store.counts() if store else None})
     path = write_json(config.artifact_path, payload)
     return CelRun(config=config, lm=lm, data=data, search=search, holdout=holdout, artifact=path, timings=timings)
 
@@ -160,12 +195,12 @@ def _bits(values: np.ndarray) -> list[int]:
 
 
 def build_artifact(config: RunConfig, lm: LoadedModel, data: TaskData, search: SearchResult, holdout: HoldoutResult,
-                   timings: dict, reliability: dict | None = None) -> dict:
+                   reliability: dict | None = None) -> dict:
+    """The run's artifact: deterministic content only (creation time and timings are in the run info)."""
     geometry: HeadGeometry = lm.geometry
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": "cel-run",
-        "created": utc_now(),
         "config": asdict(config),
         "model": {"spec": lm.spec, "name": lm.name, "source": lm.source, "fingerprint": lm.fingerprint,
                   "dtype": str(lm.dtype).removeprefix("torch."), "device": str(lm.device),
@@ -188,6 +223,5 @@ def build_artifact(config: RunConfig, lm: LoadedModel, data: TaskData, search: S
                     "full_predictions": holdout.full.predictions, "ablated_predictions": holdout.ablated.predictions},
         "n_interventions_evaluated": search.n_evaluated,
         "reliability": reliability,  # cel_utils.reliability.assess_run; None when not assessed
-        "timings": timings,
         "versions": library_versions(),
     }

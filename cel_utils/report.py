@@ -67,13 +67,23 @@ def run_stem(artifact: dict) -> str:
     return artifact_name(artifact["model"]["name"], artifact["task"]["name"], artifact["config"]["seed"]).removesuffix(".json")
 
 
+def run_timings(artifact: dict) -> dict:
+    """A run's timings: from the run info beside its artifact (:func:`cel_utils.artifacts.run_info_path`), or
+    inline in artifacts written before the run info existed; {} when neither is there."""
+    if "timings" in artifact:
+        return artifact["timings"]
+    from cel_utils.artifacts import read_run_info
+
+    return read_run_info(Path(artifact["config"]["results_dir"]) / f"{run_stem(artifact)}.json").get("timings", {})
+
+
 # --- one run: the tables of the run notebook ------------------------------------------------------------------
 
 def run_overview(artifact: dict) -> pd.DataFrame:
     """What was run, on what, and how long it took, as a two-column table."""
     cfg, model, data, geo = artifact["config"], artifact["model"], artifact["data"], artifact["model"]["geometry"]
-    timings = artifact.get("timings", {})
-    total = sum(v for key, v in timings.items() if key in ("data_s", "model_load_s", "search_s", "holdout_s"))
+    timings = run_timings(artifact)
+    total = sum(v for key, v in timings.items() if key in ("data_s", "model_load_s", "search_s", "holdout_s", "reliability_s"))
     rows = {
         "model": f"{model['name']} ({model['source'].get('kind', '?')}: {cfg['model']})",
         "heads": f"{geo['n_layers']} layers x {geo['n_heads']} query heads ({geo['n_kv_heads']} KV heads), head_dim {geo['head_dim']}",
@@ -85,7 +95,8 @@ def run_overview(artifact: dict) -> pd.DataFrame:
                   f"scored on discovery (engine {cfg['engine']})",
         "frozen heads": artifact["frozen"]["label"],
         "wall time": f"{total:.1f} s (search {timings.get('search_s', float('nan')):.1f} s, "
-                     f"holdout {timings.get('holdout_s', float('nan')):.1f} s)",
+                     f"holdout {timings.get('holdout_s', float('nan')):.1f} s, "
+                     f"null and stability {timings.get('reliability_s', 0.0):.1f} s)",
     }
     return pd.DataFrame({"": list(rows.values())}, index=pd.Index(list(rows), name="run"))
 
@@ -139,6 +150,151 @@ def holdout_sentence(artifact: dict) -> str:
             f"**{transition_text(h['full_accuracy'], h['ablated_accuracy'], h['gain_points'])}** "
             f"(relative error reduction {rer_text(h['relative_error_reduction'])}): "
             f"{h['help']} item(s) went wrong -> right and {h['harm']} right -> wrong.")
+
+
+# --- is the gain real? (cel_utils.reliability) ----------------------------------------------------------------
+
+def p_text(p: float | None) -> str:
+    """0.0312 -> '0.031'; tiny values -> '<0.001'; missing -> 'n/a'."""
+    if p is None or math.isnan(p):
+        return "n/a"
+    return "<0.001" if p < 0.001 else f"{p:.3f}" if p < 0.1 else f"{p:.2f}"
+
+
+def significance(artifact: dict) -> dict | None:
+    """The holdout's paired test: stored by the run, else computed from the stored per-item vectors (artifacts
+    written before the test existed), else None."""
+    stored = (artifact.get("reliability") or {}).get("significance")
+    if stored:
+        return stored
+    h = artifact["holdout"]
+    if "full_correct" not in h:
+        return None
+    from cel_utils.stats import CI_STREAM, paired_test
+
+    return paired_test(h["full_correct"], h["ablated_correct"], seed=[artifact["config"]["seed"], CI_STREAM]).to_json()
+
+
+def ci_text(sig: dict | None) -> str:
+    """``'95% CI [-3.1, +8.0], p = 0.031'`` (McNemar); empty when there is no test."""
+    if not sig:
+        return ""
+    level = round(100 * sig["confidence"])
+    return f"{level}% CI [{sig['ci_low']:+.1f}, {sig['ci_high']:+.1f}], p = {p_text(sig['p_value'])}"
+
+
+def reliability_sentence(artifact: dict) -> str:
+    """Markdown: the holdout gain with its interval and p-value, its place in the null, the winner's curse."""
+    sig, rel = significance(artifact), artifact.get("reliability") or {}
+    if sig is None:
+        return "This artifact stores no per-item holdout outcomes, so the gain cannot be tested."
+    parts = [f"The holdout gain is **{sig['gain_points']:+.1f} points** ({ci_text(sig).replace(', p =', '; exact McNemar p =')}): "
+             f"{sig['help']} item(s) helped against {sig['harm']} harmed, out of {sig['n_items']}."]
+    null = rel.get("null")
+    if null:
+        parts.append(f"Among **{null['n_sets']} random sets of {null['size']} head(s)** scored on the same holdout, the "
+                     f"frozen set's gain is at the **{null['percentile']:.0f}th percentile** (empirical one-sided "
+                     f"p = {p_text(null['p_value'])}; random sets' median {null['quantiles']['median']:+.1f}).")
+    curse = rel.get("winners_curse")
+    if curse:
+        parts.append(f"On the discovery items the same set gained {curse['discovery_gain_points']:+.1f} points: the "
+                     f"search's optimism (winner's curse) is **{curse['gap_points']:+.1f} points**.")
+    return " ".join(parts)
+
+
+def reliability_table(artifact: dict) -> pd.DataFrame:
+    """The numbers behind :func:`reliability_sentence`, one per row."""
+    sig, rel = significance(artifact), artifact.get("reliability") or {}
+    rows = {}
+    if sig:
+        rows["holdout gain (points)"] = f"{sig['gain_points']:+.2f}"
+        rows[f"{round(100 * sig['confidence'])}% CI, paired bootstrap"] = f"[{sig['ci_low']:+.2f}, {sig['ci_high']:+.2f}]"
+        rows["exact McNemar p (two-sided)"] = p_text(sig["p_value"])
+        rows["helped / harmed items"] = f"{sig['help']} / {sig['harm']} of {sig['n_items']}"
+    if rel.get("winners_curse"):
+        c = rel["winners_curse"]
+        rows["discovery gain -> holdout gain"] = f"{c['discovery_gain_points']:+.2f} -> {c['holdout_gain_points']:+.2f} (gap {c['gap_points']:+.2f})"
+    if rel.get("null"):
+        n = rel["null"]
+        q = n["quantiles"]
+        rows["random sets of the same size"] = f"{n['n_sets']} sets of {n['size']}: median {q['median']:+.2f}, range [{q['min']:+.2f}, {q['max']:+.2f}]"
+        rows["frozen set among them"] = f"{n['percentile']:.1f}th percentile, empirical p = {p_text(n['p_value'])}"
+    if rel.get("stability"):
+        st = rel["stability"]
+        q = st["holdout_gain_quantiles"]
+        rows["selection stability"] = (f"{st['n_resamples']} {st['method']} resamples: frozen set re-selected in "
+                                       f"{100 * st['frozen_set_frequency']:.0f}%, {st['distinct_selections']} distinct sets, "
+                                       f"mean Jaccard {st['mean_jaccard']:.2f}")
+        rows["holdout gains of the resampled selections"] = f"median {q['median']:+.2f}, range [{q['min']:+.2f}, {q['max']:+.2f}]"
+    return pd.DataFrame({"": list(rows.values())}, index=pd.Index(list(rows), name="is the gain real?"))
+
+
+def stability_table(artifact: dict, top: int = 10) -> pd.DataFrame:
+    """The sets selected most often across resampled discovery sets, with their holdout gain."""
+    st = (artifact.get("reliability") or {}).get("stability")
+    if not st:
+        return pd.DataFrame(columns=["selected in (%)", "holdout gain (points)"])
+    gain_of = dict(zip(st["selections"], st["holdout_gains_points"]))
+    frozen = artifact["frozen"]["label"]
+    rows = list(st["set_frequency"].items())[:top]
+    return pd.DataFrame({
+        "heads": [label + (" (frozen)" if label == frozen else "") for label, _ in rows],
+        "selected in (%)": [round(100 * share, 1) for _, share in rows],
+        "holdout gain (points)": [round(gain_of[label], 2) for label, _ in rows],
+    }).set_index("heads")
+
+
+# --- search strategies (cel_utils.strategies) ----------------------------------------------------------------
+
+def strategies_table(payload: dict) -> pd.DataFrame:
+    """One row per strategy: its set, discovery and holdout gains (with the paired test), and its cost."""
+    rows = payload["strategies"]
+    reference = next((r["forward_equivalents"] for r in rows if r["strategy"].startswith("exhaustive")), None)
+    return pd.DataFrame({
+        "strategy": [r["strategy"] for r in rows],
+        "heads": [r["label"] for r in rows],
+        "discovery gain": [round(r["discovery_gain_points"], 2) for r in rows],
+        "holdout gain": [round(r["holdout_gain_points"], 2) for r in rows],
+        "holdout 95% CI": [f"[{r['holdout_ci'][0]:+.1f}, {r['holdout_ci'][1]:+.1f}]" for r in rows],
+        "McNemar p": [p_text(r["holdout_p_value"]) for r in rows],
+        "evaluations": [r["evaluations"] for r in rows],
+        "forward-pass equivalents": [round(r["forward_equivalents"]) for r in rows],
+        "cost vs exhaustive": [f"{r['forward_equivalents'] / reference:.2f}x" if reference else "n/a" for r in rows],
+    }).set_index("strategy")
+
+
+def screening_text(payload: dict) -> str:
+    """Markdown: how well attribution patching predicts exact single-head screening."""
+    sc = payload.get("screening")
+    if not sc:
+        return f"Attribution patching: {payload.get('attribution_skipped') or 'not run'}."
+    def rho(value: float) -> str:
+        return "n/a (one side constant)" if value is None or math.isnan(value) else f"{value:.2f}"
+
+    return (f"Attribution patching against exact screening of all {len(sc['estimate']) * len(sc['estimate'][0])} heads: "
+            f"rank correlation with the exact effect on the margin, Spearman **{rho(sc['spearman_margin'])}** "
+            f"(Kendall {rho(sc['kendall_margin'])}); with the exact accuracy gain, Spearman **{rho(sc['spearman_gain'])}** "
+            f"(Kendall {rho(sc['kendall_gain'])}); it recovers **{100 * sc['recall_at_p']:.0f}%** of the exact top "
+            f"{sc['p']} (the pool). Its margins of the full model differ from the evaluator's by at most "
+            f"{sc['full_margin_max_abs_difference']:.1e}.")
+
+
+def _strategies_section(payloads: list[dict]) -> list[str]:
+    if not payloads:
+        return []
+    out = ["## Search strategies", "",
+           "The paper's exhaustive search within a pool of the top *p* single heads, next to greedy forward selection "
+           "and beam search over all heads and to attribution patching (a first-order estimate of every head's effect "
+           "from one backward pass), on the same items; gains in points, cost in forward passes of the full model over "
+           "one discovery item (see [beyond the paper](beyond.md)). Made by `python -m cel_utils strategies`.", ""]
+    for payload in sorted(payloads, key=lambda q: (_task_sort_key(q["task"]["name"]), q["model"]["name"], q["config"]["seed"])):
+        table = strategies_table(payload).reset_index()
+        out += [f"### {payload['model']['name']} on {payload['task']['name']} (seed {payload['config']['seed']}, "
+                f"{payload['n_discovery']} discovery / {payload['n_holdout']} holdout items, p={payload['config']['p']}, "
+                f"k={payload['config']['k']}, beam width {payload['beam_width']})", "",
+                _md_table(list(table.columns), [[str(v) for v in row] for row in table.itertuples(index=False)]), "",
+                screening_text(payload), ""]
+    return out
 
 
 def _clip(text: str, limit: int, tail: bool = False) -> str:
@@ -258,14 +414,31 @@ def summarize(artifacts: list[dict], runs_dir: Path | None = None) -> pd.DataFra
             "rel_error_reduction": rer_text(relative_error_reduction(h["full_accuracy"], h["ablated_accuracy"])),
             "heads": h["heads_label"], "data": provenance_text(art["data"]),
             "engine": art["config"].get("engine", "?"), "stem": stem, "page": bool(page),
+            **_reliability_columns(art),
         })
     columns = ["task", "model", "seed", "metric", "n_discovery", "n_holdout", "p", "k", "full", "ablated", "gain_points",
-               "holdout", "rel_error_reduction", "heads", "data", "engine", "stem", "page"]
+               "holdout", "rel_error_reduction", "heads", "data", "engine", "stem", "page", "ci", "p_value",
+               "null_text", "curse_text", "stability_text"]
     table = pd.DataFrame(rows, columns=columns)
     if table.empty:
         return table
     order = sorted(range(len(table)), key=lambda i: (_task_sort_key(table.task[i]), table.model[i], table.seed[i]))
     return table.iloc[order].reset_index(drop=True)
+
+
+def _reliability_columns(art: dict) -> dict:
+    """Text cells for the results page from a run's significance, null, winner's curse and stability."""
+    sig, rel = significance(art), art.get("reliability") or {}
+    null, curse, stab = rel.get("null"), rel.get("winners_curse"), rel.get("stability")
+    return {
+        "ci": ci_text(sig), "p_value": sig["p_value"] if sig else float("nan"),
+        "null_text": (f"{null['percentile']:.0f}th pct of {null['n_sets']} (p = {p_text(null['p_value'])})"
+                      if null else "not run"),
+        "curse_text": (f"{curse['discovery_gain_points']:+.1f} -> {curse['holdout_gain_points']:+.1f}" if curse else "n/a"),
+        "stability_text": (f"{100 * stab['frozen_set_frequency']:.0f}% of {stab['n_resamples']}, Jaccard "
+                           f"{stab['mean_jaccard']:.2f}, holdout gains {stab['holdout_gain_quantiles']['min']:+.1f} .. "
+                           f"{stab['holdout_gain_quantiles']['max']:+.1f}" if stab else "not run"),
+    }
 
 
 def read_paper_table(path: Path) -> list[dict]:
@@ -295,7 +468,7 @@ def _link(text: str, row, link_prefix: str) -> str:
 
 
 def results_markdown(artifacts: list[dict], paper_rows: list[dict], runs_dir: Path | None = None,
-                     link_prefix: str = "runs/", source_note: str = "") -> str:
+                     link_prefix: str = "runs/", source_note: str = "", strategies: list[dict] | None = None) -> str:
     """The results page (MyST Markdown): our Table 1, every run in detail, and the paper's reference."""
     table = summarize(artifacts, runs_dir)
     out = ["# Results", "",
@@ -317,11 +490,14 @@ def results_markdown(artifacts: list[dict], paper_rows: list[dict], runs_dir: Pa
             for model in models:
                 runs = table[(table.task == task) & (table.model == model)]
                 texts = [_link(r.holdout, r, link_prefix) + f", {r.rel_error_reduction}"
-                         + (f" (seed {r.seed})" if len(runs) > 1 else "") for r in runs.itertuples()]
+                         + (f", {r.ci}" if r.ci else "") + (f" (seed {r.seed})" if len(runs) > 1 else "")
+                         for r in runs.itertuples()]
                 cells.append("; ".join(texts) if texts else "")
             metric = table[table.task == task].metric.iloc[0]
             body.append([f"{task} ({metric})"] + cells)
         out += ["## Table 1: holdout accuracy, full -> ablated (gain), relative error reduction", "",
+                "Where a run stores its per-item holdout outcomes, the cell also gives the gain's 95% paired bootstrap "
+                "interval and the exact McNemar p-value (see [beyond the paper](beyond.md)).", "",
                 _md_table(["task (metric)"] + models, body), ""]
         detail = [[r.task, f"{r.model}, seed {r.seed}", _link(r.holdout, r, link_prefix), r.rel_error_reduction,
                    f"`{r.heads}`", f"{r.n_discovery} / {r.n_holdout}, p={r.p}, k={r.k}", r.data]
@@ -331,6 +507,17 @@ def results_markdown(artifacts: list[dict], paper_rows: list[dict], runs_dir: Pa
                 "and where the items came from (hub, local mirror, or generated, with any fallback).",
                 "", _md_table(["task", "model", "full -> ablated (gain)", "rel. error red.", "heads",
                                "items, search", "data"], detail), ""]
+        checks = [[r.task, f"{r.model}, seed {r.seed}", r.ci or "n/a", r.null_text, r.curse_text, r.stability_text]
+                  for r in table.itertuples()]
+        out += ["## Is the gain real?", "",
+                "Per run: the holdout gain's paired 95% interval and exact McNemar p-value; the frozen set's place among "
+                "random head sets of the same size on the same holdout (percentile, empirical one-sided p); the discovery "
+                "gain against the holdout gain (the winner's curse); and how often the whole selection picks the same set "
+                "again on resampled discovery sets, how much the selections overlap (mean pairwise Jaccard) and the range "
+                "of their holdout gains. [Beyond the paper](beyond.md) defines each.",
+                "", _md_table(["task", "model", "gain: 95% CI, McNemar p", "vs random sets", "discovery -> holdout gain",
+                               "frozen set re-selected, overlap, holdout gains"], checks), ""]
+    out += _strategies_section(strategies or [])
     out += _paper_section(paper_rows)
     if source_note:
         out += ["", f"<small>{html.escape(source_note)}</small>", ""]
@@ -360,6 +547,7 @@ def write_results_page(results_dir: Path, out_path: Path, runs_dir: Path | None 
 
     results_dir, out_path = Path(results_dir), Path(out_path)
     artifacts = load_artifacts(results_dir) if results_dir.is_dir() else []
+    strategies = load_artifacts(results_dir / "strategies") if (results_dir / "strategies").is_dir() else []
     paper_rows = read_paper_table(paper_table) if paper_table is not None and Path(paper_table).exists() else []
     link_prefix = ""
     if runs_dir is not None:
@@ -369,5 +557,5 @@ def write_results_page(results_dir: Path, out_path: Path, runs_dir: Path | None 
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     note = (f"Generated by python -m cel_utils aggregate on {stamp} from {len(artifacts)} artifact(s) in "
             f"{results_dir.name}/.")
-    atomic_write_text(out_path, results_markdown(artifacts, paper_rows, runs_dir, link_prefix, note))
+    atomic_write_text(out_path, results_markdown(artifacts, paper_rows, runs_dir, link_prefix, note, strategies))
     return out_path

@@ -160,17 +160,19 @@ def get_task(name: str) -> TaskSpec:
     return TASKS[name]
 
 
-def validate_item(task: TaskSpec, item: Item) -> None:
-    """Raise a ValueError naming the row and the problem when a row does not fit the task."""
+def validate_item(task: TaskSpec, item: Item, where: str = "the data") -> None:
+    """Raise a ValueError naming the row, the problem and the fix when a row does not fit the task."""
+    fix = f"fix or remove that row in {where}"
     for name, expected in task.fields.items():
-        if name not in item.doc:
-            raise ValueError(f"{task.name} row {item.id}: missing field {name!r}")
+        if item.doc.get(name) is None:  # absent, or null (a JSON loader fills absent fields with null)
+            needed = ", ".join(f"{field} ({kind.__name__})" for field, kind in task.fields.items())
+            raise ValueError(f"{task.name} row {item.id}: missing field {name!r} (rows need {needed}); {fix}")
         value = item.doc[name]
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             raise ValueError(f"{task.name} row {item.id}: field {name!r} should be {expected.__name__}, "
-                             f"got {type(value).__name__} {value!r:.60}")
+                             f"got {type(value).__name__} {value!r:.60}; {fix}")
     if task.validate is not None:
         try:
             task.validate(item.doc)
         except ValueError as error:
-            raise ValueError(f"{task.name} row {item.id}: {error}") from None
+            raise ValueError(f"{task.name} row {item.id}: {error}; {fix}") from None

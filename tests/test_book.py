@@ -25,7 +25,7 @@ def built(tmp_path_factory):
     for name in ("_config.yml", "_toc.template.yml"):
         shutil.copy(REPO / name, root / name)
     (root / "book").mkdir()
-    for page in ("intro.md", "method.md", "theory.md"):
+    for page in ("intro.md", "method.md", "theory.md", "beyond.md"):
         shutil.copy(REPO / "book" / page, root / "book" / page)
     shutil.copytree(REPO / "data", root / "data")
     args = ["main", "--root", str(root), "--models", "random:llama:tiny", "--tasks", "arithmetic_2da",
@@ -64,11 +64,11 @@ def dump_dom(page: Path, profile: Path) -> str:
 def test_results_table_and_heatmap_in_chromium(built, tmp_path):
     dom = dump_dom(built / "book" / "results.html", tmp_path / "profile")
     tables = re.findall(r"<table.*?</table>", dom, flags=re.S)
-    assert len(tables) == 3  # our Table 1, every run, the paper's reference
+    assert len(tables) == 4  # our Table 1, every run, is the gain real, the paper's reference
     text = text_of(tables[0])
     assert "random-llama-tiny" in text and "arithmetic_2da (acc)" in text
     assert re.search(r"\d+\.\d -> \d+\.\d \([+-]\d+\.\d\), (-?\d+\.\d%|n/a)", text)
-    assert "70.40 -> 83.50 (+13.10), 44.26%" in text_of(tables[2])
+    assert "70.40 -> 83.50 (+13.10), 44.26%" in text_of(tables[3])
 
     dom = dump_dom(built / "book" / "runs" / f"{RUN}.html", tmp_path / "profile")
     assert "CEL run: random:llama:tiny on arithmetic_2da" in text_of(dom)

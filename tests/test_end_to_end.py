@@ -27,7 +27,7 @@ def test_batch_size_does_not_change_decisions(default_model, data_dir, task, n, 
 
 def test_small_search_writes_a_complete_artifact(default_model, data_dir, tmp_path):
     config = RunConfig(task="arithmetic_1dc", n_discovery=6, n_holdout=10, p=2, k=2, num_fewshot=2,
-                       data_dir=data_dir, results_dir=str(tmp_path))
+                       n_random_sets=4, n_resamples=3, data_dir=data_dir, results_dir=str(tmp_path))
     run = run_cel(config, lm=default_model, progress=False)
     artifact = json.loads(run.artifact.read_text())
     assert artifact["model"]["geometry"]["n_layers"] == 30
@@ -35,6 +35,8 @@ def test_small_search_writes_a_complete_artifact(default_model, data_dir, tmp_pa
     assert artifact["frozen"]["heads"] == artifact["stage2"][0]["heads"]
     assert len(artifact["holdout"]["full_correct"]) == 10
     assert artifact["data"]["source"] == "mirror"
+    reliability = artifact["reliability"]
+    assert len(reliability["null"]["gains_points"]) == 4 and reliability["stability"]["n_resamples"] == 3
     # the stored scores agree with the stored vectors
     full = np.array(artifact["holdout"]["full_correct"], bool)
     ablated = np.array(artifact["holdout"]["ablated_correct"], bool)

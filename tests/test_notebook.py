@@ -1,5 +1,6 @@
 """The per-run notebook: its parameters, one papermill execution on a tiny random model, and bad parameters."""
 import json
+import math
 import os
 from pathlib import Path
 
@@ -15,7 +16,7 @@ NOTEBOOK = REPO / "notebooks" / "cel_run.ipynb"
 MIRROR = Path(os.environ.get("CEL_DATA_DIR") or REPO.parent / "shared" / "data")
 DATA_DIR = str(MIRROR) if MIRROR.is_dir() else None  # without a mirror, arithmetic comes from the hub or the generator
 PARAMETERS = ["model", "task", "n_discovery", "n_holdout", "p", "k", "seed", "fmt", "num_fewshot", "data_dir",
-              "results_dir", "batch_size", "device", "engine", "max_new_tokens"]
+              "results_dir", "batch_size", "device", "engine", "max_new_tokens", "n_random_sets", "n_resamples", "resample"]
 TINY = dict(model="random:llama:tiny", task="arithmetic_2da", n_discovery=6, n_holdout=8, p=3, k=2, engine="naive",
             data_dir=DATA_DIR)
 
@@ -63,6 +64,12 @@ def test_notebook_executes_and_writes_an_artifact(executed):
     for table in ("pool", "stage2", "holdout", "run"):
         assert any("text/html" in o.get("data", {}) for o in by_id[table].outputs), table
     assert by_id["flips"].outputs  # a table of flipped items, or the note that none flipped
+    for figure in ("null-histogram", "stability"):  # is the gain real? (cel_utils.reliability)
+        assert any("image/png" in o.get("data", {}) for o in by_id[figure].outputs), figure
+    assert any("text/markdown" in o.get("data", {}) for o in by_id["reliability"].outputs)
+    null, size = art["reliability"]["null"], len(art["frozen"]["heads"])
+    assert null["n_sets"] == min(100, math.comb(12, size) - 1)  # every other set of that size, up to 100
+    assert art["reliability"]["stability"]["n_resamples"] == 50
 
 
 def test_retitle_names_the_run(executed):

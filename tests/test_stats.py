@@ -1,0 +1,265 @@
+"""Paired significance, the random-set null, stability by resampling, and the memo of per-item outcomes.
+
+Everything here runs on synthetic evaluators whose per-item answers are known in advance (no model).
+"""
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+from cel_utils.heads import HeadGeometry, HeadId, format_heads, head_set
+from cel_utils.outcomes import OutcomeTable, Resampled, take
+from cel_utils.reliability import assess_run, resample_indices, resampled_searches
+from cel_utils.scoring import Outcome
+from cel_utils.search import evaluate_holdout, run_search
+from cel_utils.stats import (jaccard, mean_pairwise_jaccard, mcnemar_exact, null_position, paired_bootstrap_ci,
+                             paired_test, random_head_sets, selection_frequencies)
+
+GEOMETRY = HeadGeometry(n_layers=4, n_heads=3, n_kv_heads=3, head_dim=8)
+
+
+class XorEvaluator:
+    """Item i is correct under an intervention iff base[i] XOR the heads' flip masks; records every call."""
+
+    def __init__(self, base, flips, geometry=GEOMETRY):
+        self.lm = SimpleNamespace(geometry=geometry)
+        self.base, self.flips, self.calls = np.asarray(base, bool), flips, []
+
+    def evaluate(self, interventions, desc=None):
+        interventions = [head_set(i) for i in interventions]
+        self.calls.append(interventions)
+        out = []
+        for heads in interventions:
+            correct = self.base.copy()
+            for head in heads:
+                correct ^= self.flips.get(head, np.zeros_like(self.base))
+            out.append(Outcome(item_ids=[f"i{j}" for j in range(len(correct))], correct=correct,
+                               margin=np.where(correct, 1.0, -1.0), metrics={"acc": correct.copy()}))
+        return out
+
+
+def random_flips(n_items, seed, rate=0.15):
+    rng = np.random.default_rng(seed)
+    return {h: rng.random(n_items) < rate for h in GEOMETRY.all_heads()}
+
+
+# --- paired significance -----------------------------------------------------------------------------------------
+
+def test_mcnemar_is_the_binomial_test_on_discordant_items():
+    full = np.array([1, 1, 0, 0, 0, 0, 0, 0, 1, 1], bool)
+    ablated = np.array([0, 1, 1, 1, 1, 1, 1, 0, 1, 1], bool)  # 5 helped, 1 harmed
+    assert mcnemar_exact(full, ablated) == pytest.approx(2 * 7 / 64)  # P(X <= 1) + P(X >= 5), X ~ Bin(6, 1/2)
+    assert mcnemar_exact(full, full) == 1.0
+    test = paired_test(full, ablated, seed=0)
+    assert (test.help, test.harm, test.n_items) == (5, 1, 10)
+    assert test.gain_points == pytest.approx(40.0)
+    assert test.ci_low <= test.gain_points <= test.ci_high
+    assert paired_test(full, ablated, seed=0) == test  # seeded: identical
+
+
+def test_bootstrap_interval_matches_a_plain_paired_bootstrap():
+    rng = np.random.default_rng(3)
+    full = rng.random(400) < 0.5
+    ablated = np.where(rng.random(400) < 0.2, ~full, full)
+    low, high = paired_bootstrap_ci(full, ablated, n_resamples=4000, seed=1)
+    diff = ablated.astype(float) - full.astype(float)
+    draws = np.random.default_rng(2).integers(0, 400, (4000, 400))
+    means = 100 * diff[draws].mean(axis=1)
+    assert low == pytest.approx(np.quantile(means, 0.025), abs=1.0)
+    assert high == pytest.approx(np.quantile(means, 0.975), abs=1.0)
+
+
+def test_no_change_gives_a_point_interval():
+    same = np.array([1, 0, 1, 1], bool)
+    test = paired_test(same, same)
+    assert (test.ci_low, test.ci_high, test.p_value, test.gain_points) == (0.0, 0.0, 1.0, 0.0)
+    with pytest.raises(ValueError, match="differ in length"):
+        paired_test(same, same[:3])
+
+
+# --- the random-set null ---------------------------------------------------------------------------------------------
+
+def test_random_head_sets_are_distinct_seeded_and_exclude_the_selection():
+    heads = GEOMETRY.all_heads()
+    frozen = (HeadId(0, 0), HeadId(1, 1))
+    sets = random_head_sets(heads, 2, 20, seed=[0, 1], exclude=[frozen])
+    assert len(sets) == len(set(sets)) == 20 and all(len(s) == 2 for s in sets) and frozen not in sets
+    assert random_head_sets(heads, 2, 20, seed=[0, 1], exclude=[frozen]) == sets
+    assert random_head_sets(heads, 2, 20, seed=[0, 2], exclude=[frozen]) != sets
+    assert len(random_head_sets(heads, 11, 100, seed=0)) == math.comb(12, 11)  # fewer exist than asked for
+    assert len(random_head_sets(heads[:3], 1, 5, seed=0, exclude=[(heads[0],)])) == 2
+
+
+def test_null_position():
+    null = [-2.0, -1.0, 0.0, 0.0, 1.0, 3.0]
+    position = null_position(1.0, null)
+    assert position["percentile"] == pytest.approx(scipy_stats.percentileofscore(null, 1.0, kind="mean"))
+    assert position["p_value"] == pytest.approx((1 + 2) / 7)  # 1.0 and 3.0 are >= 1.0
+    assert null_position(5.0, null)["p_value"] == pytest.approx(1 / 7)
+    assert math.isnan(null_position(1.0, [])["p_value"])
+
+
+# --- stability ---------------------------------------------------------------------------------------------------
+
+def test_jaccard_and_frequencies():
+    a, b, c = (HeadId(0, 0), HeadId(1, 1)), (HeadId(1, 1),), (HeadId(2, 0),)
+    assert jaccard(a, b) == 0.5 and jaccard(a, c) == 0.0 and jaccard((), ()) == 1.0
+    assert mean_pairwise_jaccard([a, b, c]) == pytest.approx((0.5 + 0 + 0) / 3)
+    heads, sets = selection_frequencies([a, b, b, c])
+    assert heads == {"L1.H1": 0.75, "L0.H0": 0.25, "L2.H0": 0.25}
+    assert list(sets) == ["L1.H1", "L0.H0+L1.H1", "L2.H0"] and sets["L1.H1"] == 0.5
+
+
+def test_resample_indices():
+    boot = resample_indices(10, 3, "bootstrap", seed=4)
+    assert [len(i) for i in boot] == [10, 10, 10] and resample_indices(10, 3, "bootstrap", seed=4)[2].tolist() == boot[2].tolist()
+    halves = resample_indices(11, 4, "halves", seed=4)
+    assert len(halves[0]) == 6 and len(halves[1]) == 5
+    assert sorted(np.concatenate(halves[:2]).tolist()) == list(range(11))  # complementary halves
+    assert set(halves[2].tolist()) != set(halves[0].tolist())
+    with pytest.raises(ValueError, match="unknown resampling method"):
+        resample_indices(10, 2, "jackknife")
+
+
+def test_outcome_table_evaluates_each_intervention_once_in_one_call():
+    inner = XorEvaluator(np.zeros(6, bool), random_flips(6, 0, rate=0.5))
+    table = OutcomeTable(inner)
+    a, b = (HeadId(0, 1),), (HeadId(2, 2), HeadId(0, 1))
+    first = table.evaluate([(), a, b, a])
+    assert inner.calls == [[(), a, head_set(b)]]  # duplicates and order: each missing one once
+    again = table.evaluate([b, (HeadId(3, 0),), ()])
+    assert inner.calls[1] == [(HeadId(3, 0),)]
+    assert again[0] is first[2] and table.evaluated == [(), a, head_set(b), (HeadId(3, 0),)]
+    assert table.lm.geometry == GEOMETRY  # an evaluator itself
+    view = Resampled(table, [5, 5, 0])
+    (sub,) = view.evaluate([a])
+    assert sub.item_ids == ["i5", "i5", "i0"] and np.array_equal(sub.correct, first[1].correct[[5, 5, 0]])
+    assert len(inner.calls) == 2
+
+
+def test_resampled_search_equals_algorithm_1_on_the_resampled_items_and_batches_new_subsets():
+    n = 40
+    base = np.random.default_rng(9).random(n) < 0.4
+    flips = random_flips(n, 1)
+    table = OutcomeTable(XorEvaluator(base, flips))
+    original = run_search(table, p=4, k=3)
+    calls_after_search = len(table.evaluator.calls)
+    indices = resample_indices(n, 6, "bootstrap", seed=0) + [np.arange(n)]
+    searches = resampled_searches(table, 4, 3, indices)
+    assert len(table.evaluator.calls) - calls_after_search <= 1  # every new subset in one batched call
+    assert searches[-1].frozen == original.frozen  # the identity resample is the run itself
+    for idx, found in zip(indices, searches):
+        fresh = XorEvaluator(base[idx], {h: m[idx] for h, m in flips.items()})
+        direct = run_search(fresh, p=4, k=3)
+        assert found.frozen == direct.frozen and found.best == direct.best
+        assert [s.heads for s in found.stage2] == [s.heads for s in direct.stage2]
+
+
+def test_assess_run_end_to_end_on_synthetic_data():
+    n_disc, n_hold = 30, 50
+    flips_d, flips_h = random_flips(n_disc, 2), random_flips(n_hold, 3)
+    planted = HeadId(2, 1)
+    flips_h[planted] = np.zeros(n_hold, bool)
+    flips_h[planted][:10] = True  # the planted head helps on 10 holdout items, harms none
+    flips_d[planted] = np.zeros(n_disc, bool)
+    flips_d[planted][:12] = True
+    discovery = OutcomeTable(XorEvaluator(np.zeros(n_disc, bool), flips_d))
+    holdout_eval = XorEvaluator(np.zeros(n_hold, bool), flips_h)
+    search = run_search(discovery, p=3, k=2)
+    holdout = evaluate_holdout(holdout_eval, search.frozen)
+    kwargs = dict(n_random_sets=15, n_resamples=8, resample="bootstrap", seed=5)
+    result = assess_run(search, holdout, discovery, holdout_eval, **kwargs)
+    assert len(holdout_eval.calls) == 2  # the holdout run, then every null set and selection in one call
+    sig = result["significance"]
+    assert sig["gain_points"] == pytest.approx(holdout.gain) and sig["help"] == holdout.score.help
+    assert result["winners_curse"]["gap_points"] == pytest.approx(search.best.gain - holdout.gain)
+    null = result["null"]
+    assert null["n_sets"] == 15 and null["size"] == len(search.frozen)
+    assert format_heads(search.frozen) not in null["sets"]
+    stab = result["stability"]
+    assert len(stab["selections"]) == 8 and len(stab["holdout_gains_points"]) == 8
+    assert sum(stab["set_frequency"].values()) == pytest.approx(1.0)
+    assert 0.0 <= stab["mean_jaccard"] <= 1.0
+    assert result["cost"]["extra_holdout_evaluations"] == len(holdout_eval.calls[1])
+    # deterministic for a fixed seed; a plain evaluator (not a table) gives the same answer, at more cost
+    again = assess_run(search, holdout, discovery, XorEvaluator(np.zeros(n_hold, bool), flips_h), **kwargs)
+    assert {k: v for k, v in again.items() if k not in ("timings", "cost")} == \
+           {k: v for k, v in result.items() if k not in ("timings", "cost")}
+    plain = assess_run(search, holdout, discovery.evaluator, holdout_eval, **kwargs)
+    assert plain["stability"] == result["stability"]
+    off = assess_run(search, holdout, discovery, holdout_eval, **{**kwargs, "n_random_sets": 0, "n_resamples": 0})
+    assert off["null"] is None and off["stability"] is None
+
+
+def test_take_keeps_every_field():
+    outcome = Outcome(item_ids=["a", "b", "c"], correct=np.array([1, 0, 1], bool), margin=np.array([1.0, -2.0, 3.0]),
+                      metrics={"acc": np.array([1, 0, 1], bool)}, predictions=[0, 1, 2])
+    sub = take(outcome, [2, 0])
+    assert sub.item_ids == ["c", "a"] and sub.predictions == [2, 0] and sub.margin.tolist() == [3.0, 1.0]
+
+
+# --- what the results page and the run page show ---------------------------------------------------------------------
+
+def test_results_page_shows_interval_p_value_null_and_stability(tmp_path):
+    from test_report import make_artifact
+
+    from cel_utils import report
+    from cel_utils.artifacts import write_json
+
+    old = make_artifact(full=0.5, ablated=0.75, n_items=8)  # written before the reliability section existed
+    old["holdout"]["full_correct"] = [1, 1, 1, 1, 0, 0, 0, 0]
+    old["holdout"]["ablated_correct"] = [1, 1, 1, 1, 1, 1, 0, 0]
+    write_json(tmp_path / "results" / "old.json", old)
+    sig = report.significance(old)  # recomputed from the stored vectors, with the run's seed
+    assert sig["help"] == 2 and sig["harm"] == 0 and sig["p_value"] == pytest.approx(0.5)
+    assert sig == paired_test(old["holdout"]["full_correct"], old["holdout"]["ablated_correct"], seed=[0, 101]).to_json()
+
+    new = make_artifact(task="boolq", full=0.5, ablated=0.75, n_items=8)
+    new["reliability"] = {
+        "significance": {**sig, "ci_low": -2.5, "ci_high": 50.0, "p_value": 0.0123},
+        "winners_curse": {"discovery_gain_points": 50.0, "holdout_gain_points": 25.0, "gap_points": 25.0},
+        "null": {"size": 2, "n_sets": 4, "sets": ["L0.H1+L1.H0"] * 4, "gains_points": [-12.5, 0.0, 0.0, 12.5],
+                 "selected_gain_points": 25.0, "percentile": 100.0, "p_value": 0.2, "n": 4,
+                 "quantiles": {"min": -12.5, "q25": 0.0, "median": 0.0, "q75": 0.0, "max": 12.5}},
+        "stability": {"method": "bootstrap", "n_resamples": 4, "selections": ["L0.H0+L1.H2"] * 3 + ["L1.H2"],
+                      "discovery_gains_points": [50.0] * 4, "holdout_gains_points": [25.0] * 3 + [12.5],
+                      "head_frequency": {"L1.H2": 1.0, "L0.H0": 0.75}, "set_frequency": {"L0.H0+L1.H2": 0.75, "L1.H2": 0.25},
+                      "frozen_set_frequency": 0.75, "mean_jaccard": 0.75, "mean_jaccard_to_frozen": 0.875,
+                      "holdout_gain_quantiles": {"min": 12.5, "q25": 21.9, "median": 25.0, "q75": 25.0, "max": 25.0},
+                      "mean_gap_points": 28.1, "distinct_selections": 2}}
+    write_json(tmp_path / "results" / "new.json", new)
+    page = report.write_results_page(tmp_path / "results", tmp_path / "results.md").read_text()
+    assert "| boolq (acc) | 50.0 -> 75.0 (+25.0), 50.0%, 95% CI [-2.5, +50.0], p = 0.012 |" in page
+    assert "## Is the gain real?" in page and "100th pct of 4 (p = 0.20)" in page and "+50.0 -> +25.0" in page
+    assert "75% of 4, Jaccard 0.75, holdout gains +12.5 .. +25.0" in page
+    assert "p = 0.50" in page  # the old artifact: recomputed
+
+    assert "exact McNemar p = 0.012" in report.reliability_sentence(new)
+    assert "100th percentile" in report.reliability_sentence(new)
+    table = report.stability_table(new)
+    assert list(table.index) == ["L0.H0+L1.H2 (frozen)", "L1.H2"] and list(table["holdout gain (points)"]) == [25.0, 12.5]
+    assert report.reliability_table(new).loc["exact McNemar p (two-sided)"].iloc[0] == "0.012"
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from cel_utils import plots
+
+    for figure in (plots.null_histogram(new), plots.stability_figure(new), plots.null_histogram(old),
+                   plots.stability_figure(old)):
+        plt.close(figure)
+
+
+@pytest.mark.parametrize("bad, message", [({"n_random_sets": -1}, "n_random_sets must be a non-negative integer"),
+                                          ({"n_resamples": 2.5}, "n_resamples must be a non-negative integer"),
+                                          ({"resample": "jackknife"}, "unknown resampling method")])
+def test_run_config_checks_the_new_parameters(tmp_path, bad, message):
+    from cel_utils.protocol import RunConfig
+
+    with pytest.raises(ValueError, match=message):
+        RunConfig(results_dir=str(tmp_path), **bad).validate()
+    assert RunConfig(results_dir=str(tmp_path), n_random_sets=0, n_resamples=0, resample="halves").validate()
