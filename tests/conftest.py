@@ -10,6 +10,21 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = (REPO.parent / "shared" / "data").resolve()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def fresh_result_caches(tmp_path_factory):
+    """The evaluation store and the execution cache start empty in every session, so that no test passes by
+    reading what an earlier session stored; dequantized checkpoints (models/) are shared: they only cost time."""
+    from cel_utils.models import cache_dir
+
+    models = cache_dir() / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    cache = tmp_path_factory.mktemp("cel-cache")
+    (cache / "models").symlink_to(models.resolve(), target_is_directory=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CEL_CACHE_DIR", str(cache))
+        yield cache
+
+
 @pytest.fixture(scope="session")
 def data_dir() -> str:
     """The local data mirror (CI and this machine have ../shared/data; $CEL_DATA_DIR overrides)."""

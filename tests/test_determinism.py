@@ -82,8 +82,8 @@ def test_the_artifact_is_the_same_bytes_run_to_run_and_differs_only_in_the_param
 @pytest.mark.parametrize("task, num_fewshot", [("arithmetic", 1), ("boolq", 0), ("hellaswag", 0)])
 def test_default_model_decides_the_same_at_batch_sizes_1_and_8(default_model, data_dir, task, num_fewshot):
     data = load_task_data(task, 8, 3, seed=0, num_fewshot=num_fewshot, data_dir=data_dir)
-    geometry = default_model.geometry  # one head per layer, a different one in each: every starting layer, 30 runs
-    heads = [HeadId(layer, layer % geometry.n_heads) for layer in range(geometry.n_layers)]
+    geometry = default_model.geometry  # a different head in every third layer: 10 starting layers, bottom to top
+    heads = [HeadId(layer, layer % geometry.n_heads) for layer in range(0, geometry.n_layers, 3)]
     one, ranked_one = _stage1(default_model, data, 1, None, heads)
     eight, ranked_eight = _stage1(default_model, data, 8, None, heads)
     ties = [(k, i) for k, o in enumerate(eight) for i in np.flatnonzero(np.abs(o.margin) <= TIE)]
