@@ -19,14 +19,16 @@ from pathlib import Path
 
 
 def _grid_arguments(parser: argparse.ArgumentParser, defaults_for_main: bool = False) -> None:
-    from cel_utils.grid import DEFAULT_TASKS, EXECUTORS, PRESET_NAMES
+    from cel_utils.grid import EXECUTORS, PRESET_NAMES, PRESET_TASKS
     from cel_utils.models import DEFAULT_MODEL
 
     g = parser.add_argument_group("grid")
     g.add_argument("--models", nargs="+", default=[DEFAULT_MODEL], metavar="MODEL",
                    help=f"model specs: {DEFAULT_MODEL!r} (default), hub ids, checkpoint paths, random:<family>:tiny")
-    g.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), metavar="TASK",
-                   help="tasks (default: %(default)s); single arithmetic configs like arithmetic_2da work too")
+    g.add_argument("--tasks", nargs="+", metavar="TASK",
+                   help="tasks (default: the preset's, " + "; ".join(f"{name}: {' '.join(tasks)}" for name, tasks in
+                                                                     PRESET_TASKS.items()) +
+                        "); arithmetic pools the 10 configs, single ones like arithmetic_2da work too")
     g.add_argument("--seeds", nargs="+", type=int, default=[0], metavar="SEED", help="seeds (default: 0)")
     g.add_argument("--preset", choices=PRESET_NAMES, default="auto",
                    help="per-task sizes and p, k: cpu, paper (Table 3 sizes, p=10, k=3), smoke (tiny, for tests); "
@@ -91,8 +93,8 @@ def cmd_grid(args) -> int:
                                                         "max_new_tokens", "batch_size", "engine", "device", "dtype",
                                                         "data_dir", "n_random_sets", "n_resamples", "resample")}
     try:
-        cells = grid.plan(args.models, args.tasks, args.seeds, args.preset, runs_dir=paths.runs_dir,
-                          results_dir=paths.results_dir, notebook=args.notebook or grid.DEFAULT_NOTEBOOK,
+        cells = grid.plan(args.models, args.tasks or grid.default_tasks(args.preset), args.seeds, args.preset,
+                          runs_dir=paths.runs_dir, results_dir=paths.results_dir, notebook=args.notebook or grid.DEFAULT_NOTEBOOK,
                           cwd=paths.root, **overrides)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

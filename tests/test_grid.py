@@ -28,6 +28,16 @@ def test_presets_cover_every_task_family():
         grid.resolve_preset("huge")
 
 
+def test_each_preset_has_default_tasks_one_per_family_that_plan_accepts(tmp_path):
+    assert set(grid.PRESET_TASKS) == set(grid.PRESETS)
+    for name in grid.PRESETS:
+        tasks = grid.default_tasks(name)
+        assert sorted(map(grid.task_family, tasks)) == sorted(grid.DEFAULT_TASKS), name
+        cells = grid.plan([GOOD], tasks, [0], name, runs_dir=tmp_path / "runs", results_dir=tmp_path / "results")
+        assert [c.parameters["task"] for c in cells] == list(tasks)
+    assert grid.default_tasks("cpu")[0] == "arithmetic_1dc" and grid.default_tasks("paper")[0] == "arithmetic"
+
+
 def test_plan_applies_preset_and_overrides_and_validates_first(tmp_path):
     cells = grid.plan([GOOD], ["arithmetic_2da", "boolq"], [0, 1], "cpu", runs_dir=tmp_path / "runs",
                       results_dir=tmp_path / "results", engine="naive", n_holdout=7)
