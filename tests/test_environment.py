@@ -35,3 +35,19 @@ def test_torch_is_pinned_to_the_cpu_wheel_on_disk():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert "torch==2.13.0" in project["dependencies"]
     assert "jupyter-book>=1.0,<2" in project["dependencies"]  # 2.x downloads its theme at build time
+
+
+def test_readme_cpu_table_matches_the_cpu_preset():
+    from cel_utils import grid
+    from cel_utils.tasks import get_task
+
+    readme = (REPO / "README.md").read_text()
+    rows = [line.strip("|").split("|") for line in readme.splitlines()
+            if line.startswith("| ") and line.split("|")[1].strip() in grid.default_tasks("cpu")]
+    assert [row[0].strip() for row in rows] == list(grid.default_tasks("cpu"))
+    for task, *cells in rows:
+        preset = grid.preset_for("cpu", task.strip())
+        fewshot = preset.num_fewshot if preset.num_fewshot is not None else get_task(task.strip()).default_fewshot
+        expected = [fewshot, preset.n_discovery, preset.n_holdout, preset.p, preset.k, preset.n_random_sets,
+                    preset.n_resamples, preset.max_new_tokens if task.strip() == "mbpp" else "-"]
+        assert [cell.strip() for cell in cells] == [str(value) for value in expected], task
