@@ -32,7 +32,9 @@ HOSTILE = [
      ["assert True"]),
     ("write outside workdir", "open('/etc/cel-pwned', 'w').write('x')\n", ["assert True"]),
     ("delete outside workdir", "import os\nos.remove(os.path.expanduser('~/.bashrc'))\n", ["assert True"]),
-    ("kill its parent", "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n", ["assert True"]),
+    # its parent as it sees it, then this script by pid (outside a pid namespace that is the real parent's parent)
+    ("kill its parent", f"import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos.kill({os.getpid()}, signal.SIGKILL)\n",
+     ["assert True"]),
     ("os._exit(0) before asserts", WRONG_ADD + "import os\nos._exit(0)\n", ADD_TESTS),
     ("sys.exit(0) before asserts", WRONG_ADD + "import sys\nsys.exit(0)\n", ADD_TESTS),
     ("patch builtins.AssertionError", WRONG_ADD + "import builtins\nbuiltins.AssertionError = "
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         r = run_program(program, tests, timeout_s=args.timeout, memory_mb=256, cache=False)
         passed += r.passed
         print(f"| {name} | {r.status} | {r.passed} | {r.duration_s:.2f} | {','.join(r.protections)} |", flush=True)
-    print(f"\n{passed} of {len(HOSTILE)} hostile programs passed (must be 0)")
+    print(f"\n{passed} of {len(HOSTILE)} hostile programs passed (must be 0); this script (pid {os.getpid()}) is alive")
     return int(passed > 0)
 
 

@@ -32,14 +32,20 @@ NOT_TRANSCRIBED = "not transcribed"
 
 def pct(fraction: float) -> str:
     """0.5 -> '50.0'."""
-    return "n/a" if fraction is None or math.isnan(fraction) else f"{100 * fraction:.1f}"
+    return "n/a" if fraction is None or math.isnan(fraction) else f"{_tidy(100 * fraction):.1f}"
+
+
+def _tidy(value: float) -> float:
+    """Drop float noise before rounding for display, so 40.0 - 43.75 computed as -3.7499999... prints as -3.8,
+    like the difference of the printed accuracies."""
+    return round(value, 9)
 
 
 def transition_text(full: float, ablated: float, gain_points: float | None = None) -> str:
     """Accuracies as fractions -> ``'50.0 -> 75.0 (+25.0)'`` (gain in points)."""
     if gain_points is None:
         gain_points = 100 * (ablated - full)
-    return f"{pct(full)} -> {pct(ablated)} ({gain_points:+.1f})"
+    return f"{pct(full)} -> {pct(ablated)} ({_tidy(gain_points):+.1f})"
 
 
 def relative_error_reduction(full: float, ablated: float) -> float:

@@ -60,6 +60,8 @@ def test_cell_text_from_a_hand_made_artifact(tmp_path):
 def test_numbers_as_text():
     assert report.transition_text(0.704, 0.835) == "70.4 -> 83.5 (+13.1)"
     assert report.transition_text(0.5, 0.25) == "50.0 -> 25.0 (-25.0)"
+    # 32/80 - 35/80 is -0.0374999... in floats; the printed gain must match the printed accuracies
+    assert report.transition_text(35 / 80, 32 / 80, 100 * (32 / 80 - 35 / 80)) == "43.8 -> 40.0 (-3.8)"
     assert report.rer_text(100 * 13.1 / 29.6) == "44.3%"
     assert report.rer_text(float("nan")) == "n/a"
     assert report.provenance_text({"source": "mirror", "fallback": "no train"}).startswith("mirror (no train split")
