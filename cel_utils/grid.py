@@ -56,11 +56,11 @@ class TaskPreset:
 # cpu: a laptop-sized demonstration of the whole protocol on the default model (measured wall times in README.md):
 #   tiny discovery sets, so the selections are noisy by design, and the reliability section of each page says how
 #   noisy. Arithmetic runs 3-shot: SmolLM2-135M-Instruct echoes the question at 0-shot (0.8% on the pooled
-#   configs) and is near 0% on 3- to 5-digit configs at any shot count; on 40 items per config at 3-shot it
-#   reached 1dc 12%, 2dm 8%, 2da 5%, the rest 0-2% (chat format: 0-5%), so the cpu default is arithmetic_1dc.
+#   configs) and gets 0% of the 3- to 5-digit configs at 3-shot; on 40 items per config at 3-shot it reached
+#   1dc 12%, 2dm 8%, 2da 5%, the rest 0-2% (chat format: 0-5%), so the cpu default is arithmetic_1dc (5.2% on
+#   500 items). MBPP is the costly one: decoding takes about 2.3 s per item and intervention on 2 cores (stage 1
+#   is 271 interventions), so its discovery set is 2 problems (a smoke test of the protocol on code, not a finding).
 # paper: the paper's Table 3 sizes with p=10, k=3 (for a GPU); smoke: seconds per cell with a random tiny model.
-#   MBPP is the costly one: greedy decoding under each of 271 interventions runs at about 1.4-1.9 s per item on 2
-#   cores, so its discovery set is 2 problems (a smoke test of the protocol on code, not a finding).
 # null / resamples (cel_utils.reliability): the paper preset runs 100 random sets and 50 bootstrap reruns; the
 # cpu preset only a few, so that they add about a fifth to a cell's time.
 PRESETS: dict[str, dict[str, TaskPreset]] = {
