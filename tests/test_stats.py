@@ -3,13 +3,12 @@
 Everything here runs on synthetic evaluators whose per-item answers are known in advance (no model).
 """
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from cel_utils.heads import HeadGeometry, HeadId, format_heads, head_set
+from cel_utils.heads import HeadId, format_heads, head_set
 from cel_utils.outcomes import OutcomeTable, Resampled, take
 from cel_utils.reliability import assess_run, resample_indices, resampled_searches
 from cel_utils.scoring import Outcome
@@ -17,27 +16,7 @@ from cel_utils.search import evaluate_holdout, run_search
 from cel_utils.stats import (jaccard, mean_pairwise_jaccard, mcnemar_exact, null_position, paired_bootstrap_ci,
                              paired_test, random_head_sets, selection_frequencies)
 
-GEOMETRY = HeadGeometry(n_layers=4, n_heads=3, n_kv_heads=3, head_dim=8)
-
-
-class XorEvaluator:
-    """Item i is correct under an intervention iff base[i] XOR the heads' flip masks; records every call."""
-
-    def __init__(self, base, flips, geometry=GEOMETRY):
-        self.lm = SimpleNamespace(geometry=geometry)
-        self.base, self.flips, self.calls = np.asarray(base, bool), flips, []
-
-    def evaluate(self, interventions, desc=None):
-        interventions = [head_set(i) for i in interventions]
-        self.calls.append(interventions)
-        out = []
-        for heads in interventions:
-            correct = self.base.copy()
-            for head in heads:
-                correct ^= self.flips.get(head, np.zeros_like(self.base))
-            out.append(Outcome(item_ids=[f"i{j}" for j in range(len(correct))], correct=correct,
-                               margin=np.where(correct, 1.0, -1.0), metrics={"acc": correct.copy()}))
-        return out
+from fakes import GEOMETRY, XorEvaluator
 
 
 def random_flips(n_items, seed, rate=0.15):

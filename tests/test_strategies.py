@@ -1,39 +1,16 @@
 """Search strategies on synthetic evaluators, and attribution patching on tiny random models."""
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from cel_utils.heads import HeadGeometry, HeadId, head_set
+from cel_utils.heads import HeadId, head_set
 from cel_utils.outcomes import OutcomeTable
-from cel_utils.scoring import Outcome
 from cel_utils.search import rank, score
 from cel_utils.strategies import (Ledger, attribution_pool, beam, exhaustive, forward_equivalents, screening_agreement,
                                   top_heads)
 
-GEOMETRY = HeadGeometry(n_layers=4, n_heads=3, n_kv_heads=3, head_dim=8)
-
-
-class XorEvaluator:
-    """Item i is correct iff base[i] XOR the heads' flip masks; margins are +-1 shifted by a per-head amount."""
-
-    def __init__(self, base, flips, shifts=None):
-        self.lm = SimpleNamespace(geometry=GEOMETRY)
-        self.base, self.flips, self.shifts, self.calls = np.asarray(base, bool), flips, shifts or {}, []
-
-    def evaluate(self, interventions, desc=None):
-        interventions = [head_set(i) for i in interventions]
-        self.calls.append(interventions)
-        out = []
-        for heads in interventions:
-            correct = self.base.copy()
-            for head in heads:
-                correct ^= self.flips.get(head, np.zeros_like(self.base))
-            margin = np.where(correct, 1.0, -1.0) + sum(self.shifts.get(h, 0.0) for h in heads)
-            out.append(Outcome(item_ids=[str(j) for j in range(len(correct))], correct=correct, margin=margin,
-                               metrics={"acc": correct.copy()}))
-        return out
+from fakes import GEOMETRY, XorEvaluator
 
 
 def _mask(n, *items):
