@@ -1,37 +1,16 @@
 """Algorithm 1 on a synthetic evaluator whose answers are known in advance."""
 import itertools
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from cel_utils.heads import HeadGeometry, HeadId, head_set
-from cel_utils.scoring import Outcome
+from cel_utils.heads import HeadId, head_set
 from cel_utils.search import Score, evaluate_holdout, n_stage2, rank, rank_key, run_search
 
-
-class FakeEvaluator:
-    """Item i is correct under an intervention iff base[i] flipped by the XOR of the heads' flip masks."""
-
-    def __init__(self, geometry, flips, base, name):
-        self.lm = SimpleNamespace(geometry=geometry)
-        self.flips, self.base, self.name, self.calls = flips, np.asarray(base, bool), name, []
-
-    def evaluate(self, interventions, desc=None):
-        interventions = [head_set(i) for i in interventions]
-        self.calls.append(interventions)
-        outcomes = []
-        for heads in interventions:
-            correct = self.base.copy()
-            for head in heads:
-                correct ^= self.flips.get(head, np.zeros_like(self.base))
-            outcomes.append(Outcome(item_ids=[str(i) for i in range(len(correct))], correct=correct,
-                                    margin=np.where(correct, 1.0, -1.0), metrics={"acc": correct}))
-        return outcomes
+from fakes import GEOMETRY, XorEvaluator
 
 
-GEOMETRY = HeadGeometry(n_layers=4, n_heads=3, n_kv_heads=3, head_dim=8)
 
 
 def _flip(*items, n=10):
@@ -62,8 +41,8 @@ def test_search_finds_the_planted_pair_and_never_sees_the_holdout():
         HeadId(3, 2): _flip(3, 4),  # +2 alone, no harm
         HeadId(0, 0): _flip(0, 1, 2),  # -3
     }
-    discovery = FakeEvaluator(GEOMETRY, flips, base, "discovery")
-    holdout = FakeEvaluator(GEOMETRY, flips, base, "holdout")
+    discovery = XorEvaluator(base, flips)
+    holdout = XorEvaluator(base, flips)
     result = run_search(discovery, p=3, k=2)
     assert holdout.calls == []
     assert [s.heads for s in result.stage1[:3]] == [(HeadId(2, 0),), (HeadId(3, 2),), (HeadId(1, 1),)]
@@ -85,7 +64,7 @@ def test_search_finds_the_planted_pair_and_never_sees_the_holdout():
 def test_a_single_head_wins_when_no_subset_beats_it():
     base = np.zeros(10, bool)
     flips = {HeadId(0, 1): _flip(0, 1), HeadId(1, 2): _flip(0, 1, 2), HeadId(2, 2): _flip(2)}
-    result = run_search(FakeEvaluator(GEOMETRY, flips, base, "d"), p=3, k=3)
+    result = run_search(XorEvaluator(base, flips), p=3, k=3)
     assert result.frozen == (HeadId(1, 2),)  # {L0.H1, L2.H2} also gains 3, but has more heads
     assert len(result.stage2) == n_stage2(3, 3) + 3 == 3 + 3 + 1
 
@@ -94,4 +73,4 @@ def test_a_single_head_wins_when_no_subset_beats_it():
                                           (0, 1, "positive integer"), (3, 0, "positive integer")])
 def test_bad_search_parameters(p, k, message):
     with pytest.raises(ValueError, match=message):
-        run_search(FakeEvaluator(GEOMETRY, {}, np.zeros(4, bool), "d"), p=p, k=k)
+        run_search(XorEvaluator(np.zeros(4, bool), {}), p=p, k=k)
