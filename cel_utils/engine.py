@@ -19,14 +19,16 @@ engine skips the repeats without changing what is computed:
   context once, then every answer, each answer attending to the context and to itself only (a block
   attention mask) with position ids continuing from the context. That is the same computation as
   scoring each (context, answer) pair alone, with the context done once instead of once per answer.
-* **Length batching.** Items are tokenized once, sorted by length and batched under a token budget.
+* **Length batching.** Items are tokenized once, sorted by length and batched under a token budget, a
+  new batch starting where padding would exceed ``MAX_PADDING`` of a row.
 
 Loop order is batch-outer, intervention-inner: memory is bounded by one batch's kept states,
 ``rows x tokens x hidden x layers`` values (e.g. 16 x 200 x 576 x 30 fp32 = 221 MB for SmolLM2-135M),
 plus one stacked forward of at most ``token_budget`` tokens.
 
 MBPP (generation) stacks interventions as rows of one batch and decodes incrementally with a KV cache;
-there is no below-layer reuse for generated tokens.
+the shared few-shot prefix is computed once per head set and only from its lowest ablated layer on
+(:mod:`cel_utils.generation`); there is no below-layer reuse for the tokens after it.
 """
 from __future__ import annotations
 
@@ -48,6 +50,10 @@ from cel_utils.prompts import Request
 from cel_utils.scoring import ContinuationStats, Outcome, continuation_stats, decide
 
 ENGINE_VERSION = "1"
+# An item shorter than this fraction of its batch's longest starts a new batch. Small batches cost little
+# here because interventions are stacked up to the token budget anyway, while padding is computed in full:
+# BoolQ's and HellaSwag's lengths vary 4x, and batches of 8 were 36% padding.
+MAX_PADDING = 0.25
 
 
 # --- Replaying kept states -------------------------------------------------------------------------------
@@ -202,7 +208,8 @@ class EngineEvaluator(Evaluator):
         batches, current = [], []
         for i in order:
             width = len(self.rows[current[0]].tokens) if current else len(self.rows[i].tokens)
-            if current and (len(current) >= self.batch_size or (len(current) + 1) * width > self.token_budget):
+            if current and (len(current) >= self.batch_size or (len(current) + 1) * width > self.token_budget
+                            or len(self.rows[i].tokens) < (1 - MAX_PADDING) * width):
                 batches.append(current)
                 current = []
             current.append(i)

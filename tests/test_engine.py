@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from cel_utils.engine import EngineEvaluator, base_model, capture_layer_outputs, start_at_layer
+from cel_utils.engine import MAX_PADDING, EngineEvaluator, base_model, capture_layer_outputs, start_at_layer
 from cel_utils.evaluation import NaiveEvaluator
 from cel_utils.heads import HeadId
 from cel_utils.random_models import FAMILIES
@@ -54,6 +54,17 @@ def test_boolq_reads_two_vocabulary_rows_and_hellaswag_packs_answers(tiny_models
     for row, request in zip(hellaswag.rows, hellaswag.requests):
         naive_tokens = sum(len(request.context) + len(c) - 1 for c in request.continuations)
         assert len(row.tokens) == naive_tokens - 3 * len(request.context)  # the context once, not four times
+
+
+def test_batches_bound_padding_and_cover_every_item_once(tiny_models, data_dir):
+    lm = tiny_models["llama"]
+    data = load_task_data("boolq", 12, 3, seed=0, data_dir=data_dir)  # passages of very different lengths
+    engine = EngineEvaluator(lm, data.task, data.discovery, batch_size=8, progress=False)
+    assert sorted(i for batch in engine.batches for i in batch) == list(range(12))
+    lengths = [[len(engine.rows[i].tokens) for i in batch] for batch in engine.batches]
+    assert len(engine.batches) > 12 // 8 + 1, "these lengths should need more batches than the batch size alone"
+    for batch in lengths:
+        assert len(batch) <= 8 and min(batch) >= (1 - MAX_PADDING) * max(batch)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gemma3_text"])
