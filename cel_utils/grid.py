@@ -58,7 +58,7 @@ class TaskPreset:
 #   noisy. Arithmetic runs 3-shot: SmolLM2-135M-Instruct echoes the question at 0-shot (0.8% on the pooled
 #   configs) and gets 0% of the 3- to 5-digit configs at 3-shot; on 40 items per config at 3-shot it reached
 #   1dc 12%, 2dm 8%, 2da 5%, the rest 0-2% (chat format: 0-5%), so the cpu default is arithmetic_1dc (5.2% on
-#   500 items). MBPP is the costly one: decoding takes about 2.3 s per item and intervention on 2 cores (stage 1
+#   500 items). MBPP is the costly one: decoding takes about 1.1 s per item and intervention on 2 cores (stage 1
 #   is 271 interventions), so its discovery set is 2 problems (a smoke test of the protocol on code, not a finding).
 # paper: the paper's Table 3 sizes with p=10, k=3 (for a GPU); smoke: seconds per cell with a random tiny model.
 # null / resamples (cel_utils.reliability): the paper preset runs 100 random sets and 50 bootstrap reruns; the
