@@ -18,34 +18,46 @@ import sys
 from pathlib import Path
 
 
-def _grid_arguments(parser: argparse.ArgumentParser, defaults_for_main: bool = False) -> None:
-    from cel_utils.grid import EXECUTORS, PRESET_NAMES, PRESET_TASKS
+def _selection_arguments(parser: argparse.ArgumentParser, title: str, tasks_required: bool = False) -> None:
+    """Which (model, task, seed) cells, with which preset: shared by ``grid``/``main`` and ``strategies``."""
+    from cel_utils.grid import PRESET_NAMES, PRESET_TASKS
     from cel_utils.models import DEFAULT_MODEL
 
-    g = parser.add_argument_group("grid")
+    g = parser.add_argument_group(title)
     g.add_argument("--models", nargs="+", default=[DEFAULT_MODEL], metavar="MODEL",
                    help=f"model specs: {DEFAULT_MODEL!r} (default), hub ids, checkpoint paths, random:<family>:tiny")
-    g.add_argument("--tasks", nargs="+", metavar="TASK",
-                   help="tasks (default: the preset's, " + "; ".join(f"{name}: {' '.join(tasks)}" for name, tasks in
-                                                                     PRESET_TASKS.items()) +
-                        "); arithmetic pools the 10 configs, single ones like arithmetic_2da work too")
+    g.add_argument("--tasks", nargs="+", metavar="TASK", required=tasks_required,
+                   help=("tasks" if tasks_required else "tasks (default: the preset's, " + "; ".join(
+                       f"{name}: {' '.join(tasks)}" for name, tasks in PRESET_TASKS.items()) + ")") +
+                        "; arithmetic pools the 10 configs, single ones like arithmetic_2da work too")
     g.add_argument("--seeds", nargs="+", type=int, default=[0], metavar="SEED", help="seeds (default: 0)")
     g.add_argument("--preset", choices=PRESET_NAMES, default="auto",
                    help="per-task sizes and p, k: cpu, paper (Table 3 sizes, p=10, k=3), smoke (tiny, for tests); "
                         "auto (default): paper when CUDA is available, else cpu")
+
+
+def _override_arguments(parser: argparse.ArgumentParser):
     s = parser.add_argument_group("overrides of the preset, for every task")
     s.add_argument("--n-discovery", type=int)
     s.add_argument("--n-holdout", type=int)
     s.add_argument("--p", type=int, help="pool size")
     s.add_argument("--k", type=int, help="budget: heads ablated together")
-    s.add_argument("--num-fewshot", type=int)
-    s.add_argument("--fmt", choices=("plain", "chat"))
-    s.add_argument("--max-new-tokens", type=int)
     s.add_argument("--batch-size", type=int)
     s.add_argument("--engine", choices=("fast", "naive"), help="default: fast")
     s.add_argument("--device", help="auto (default), cpu, cuda, cuda:1, ...")
-    s.add_argument("--dtype", help="auto (default: fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
     s.add_argument("--data-dir", help="local data mirror (default: $CEL_DATA_DIR, else the Hugging Face hub)")
+    return s
+
+
+def _grid_arguments(parser: argparse.ArgumentParser) -> None:
+    from cel_utils.grid import EXECUTORS
+
+    _selection_arguments(parser, "grid")
+    s = _override_arguments(parser)
+    s.add_argument("--num-fewshot", type=int)
+    s.add_argument("--fmt", choices=("plain", "chat"))
+    s.add_argument("--max-new-tokens", type=int)
+    s.add_argument("--dtype", help="auto (default: fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
     s.add_argument("--n-random-sets", type=int, help="random head sets scored on the holdout as a null (0: off)")
     s.add_argument("--n-resamples", type=int, help="reruns of the selection on resampled discovery sets (0: off)")
     s.add_argument("--resample", choices=("bootstrap", "halves"), help="how discovery sets are resampled")
@@ -214,23 +226,10 @@ def cmd_strategies(args) -> int:
 
 
 def _strategies_arguments(parser: argparse.ArgumentParser) -> None:
-    from cel_utils.grid import PRESET_NAMES
-    from cel_utils.models import DEFAULT_MODEL
-
-    g = parser.add_argument_group("what to compare")
-    g.add_argument("--models", nargs="+", default=[DEFAULT_MODEL], metavar="MODEL")
-    g.add_argument("--tasks", nargs="+", required=True, metavar="TASK")
-    g.add_argument("--seeds", nargs="+", type=int, default=[0], metavar="SEED")
-    g.add_argument("--preset", choices=PRESET_NAMES, default="auto",
-                   help="sizes and p, k as for the grid (the same items as the run pages of the same preset)")
-    g.add_argument("--n-discovery", type=int)
-    g.add_argument("--n-holdout", type=int)
-    g.add_argument("--p", type=int, help="pool size")
-    g.add_argument("--k", type=int, help="budget")
-    g.add_argument("--batch-size", type=int)
-    g.add_argument("--engine", choices=("fast", "naive"))
-    g.add_argument("--device")
-    g.add_argument("--data-dir")
+    _selection_arguments(parser, "what to compare (sizes and p, k as for the grid: the same items as the run "
+                                 "pages of the same preset)", tasks_required=True)
+    _override_arguments(parser)
+    g = parser.add_argument_group("strategies")
     g.add_argument("--beam-width", type=int, default=3, help="sets kept per size by beam search (default 3)")
     g.add_argument("--attribution-candidates", type=int,
                    help="heads the attribution screen passes to exact evaluation (default: p)")
