@@ -179,36 +179,24 @@ STRATEGY_PARAMETERS = ("model", "task", "seed", "n_discovery", "n_holdout", "p",
 
 def cmd_strategies(args) -> int:
     """Execute notebooks/cel_strategies.ipynb with papermill for every (model, task, seed)."""
-    from dataclasses import asdict
-
     import papermill as pm
 
     from cel_utils import grid
     from cel_utils.artifacts import artifact_name
     from cel_utils.models import display_name
-    from cel_utils.protocol import RunConfig
 
     paths = _paths(args)
     notebook = Path(args.notebook or grid.PACKAGE_DIR.parent / "notebooks" / "cel_strategies.ipynb")
     out_dir = paths.root / "book" / "strategies"
     overrides = {name: getattr(args, name) for name in ("n_discovery", "n_holdout", "p", "k", "engine", "device",
-                                                        "batch_size", "data_dir") if getattr(args, name) is not None}
-    if "data_dir" in overrides:
-        overrides["data_dir"] = str(Path(overrides["data_dir"]).expanduser().resolve())
-    jobs = []
-    try:
-        for model in args.models:
-            for task in args.tasks:
-                for seed in args.seeds:
-                    parameters = {**asdict(grid.preset_for(args.preset, task)), "model": model, "task": task,
-                                  "seed": seed, "results_dir": str(paths.results_dir), **overrides,
-                                  "beam_width": args.beam_width, "attribution_candidates": args.attribution_candidates}
-                    parameters = {key: value for key, value in parameters.items() if key in STRATEGY_PARAMETERS}
-                    RunConfig(**{k: v for k, v in parameters.items() if k in RunConfig.__dataclass_fields__}).validate()
-                    jobs.append(parameters)
-    except (ValueError, TypeError, PermissionError) as error:
+                                                        "batch_size", "data_dir")}
+    try:  # the grid's cells, so the same preset, overrides and checks give the same items as the run pages
+        cells = grid.plan(args.models, args.tasks, args.seeds, args.preset, results_dir=paths.results_dir, **overrides)
+    except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    jobs = [{**{key: value for key, value in cell.parameters.items() if key in STRATEGY_PARAMETERS},
+             "beam_width": args.beam_width, "attribution_candidates": args.attribution_candidates} for cell in cells]
     status = 0
     for parameters in jobs:
         stem = artifact_name(display_name(parameters["model"]), parameters["task"], parameters["seed"]).removesuffix(".json")
