@@ -18,7 +18,8 @@ strategy's cost counts everything it asked for, as if it had run alone:
 * ``evaluations``: distinct interventions scored on the whole discovery set (the full model included);
 * ``forward_equivalents``: forward passes of the full model over one item. Scoring intervention S costs
   ``n_items * (L - l_S) / L``, with l_S the lowest layer of S (the layers below are reused, as the engine
-  does; the full model runs all L); generation (MBPP) reuses nothing, so 1 per item per intervention;
+  does; the full model runs all L); generation (MBPP) counts 1 per item per intervention (its decoding
+  reuses the layers below only for the shared few-shot prefix, which this count ignores);
   attribution costs ``3 * n_items`` (a backward pass is about two forwards).
 
 :func:`compare_strategies` runs them all for one (model, task, seed) and returns a JSON-ready summary, also
@@ -223,7 +224,7 @@ def compare_strategies(config, *, beam_width: int = 3, attribution_candidates: i
         "config": asdict(config), "beam_width": beam_width, "attribution_candidates": candidates,
         "model": {"name": lm.name, "spec": lm.spec, "fingerprint": lm.fingerprint, "geometry": asdict(lm.geometry)},
         "task": {"name": data.task.name, "kind": data.task.kind, "metric": data.task.metric},
-        "n_discovery": n, "n_holdout": len(data.holdout),
+        "data": data.provenance, "n_discovery": n, "n_holdout": len(data.holdout),
         "full": {"discovery_accuracy": full_disc.accuracy, "holdout_accuracy": held[0].accuracy},
         "strategies": rows, "screening": screening, "attribution_skipped": skipped,
         "cost_unit": "forward passes of the full model over one discovery item",

@@ -193,10 +193,12 @@ def test_cli_executes_the_strategies_notebook_and_the_results_page_shows_it(tmp_
     exhaustive_row = payload["strategies"][0]
     assert exhaustive_row["evaluations"] == 1 + 12 + 3  # full, 12 heads, the pairs of a pool of 3
     assert payload["screening"]["full_margin_max_abs_difference"] < 1e-3
+    assert payload["data"]["source"] == "mirror"  # where the items came from, as in a run's artifact
     nb = nbformat.read(tmp_path / "book" / "strategies" / f"{stem}.ipynb", as_version=4)
     by_id = {c.get("id"): c for c in nb.cells}
     assert any("image/png" in o.get("data", {}) for o in by_id["screening"].outputs)
     assert any("text/html" in o.get("data", {}) for o in by_id["run"].outputs)
+    assert any("(data: mirror)" in o.get("data", {}).get("text/markdown", "") for o in by_id["run"].outputs)
     page = report.write_results_page(tmp_path / "results", tmp_path / "book" / "results.md").read_text()
     assert "## Search strategies" in page and "| exhaustive (paper) |" in page and "Spearman" in page
 
