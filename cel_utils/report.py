@@ -150,12 +150,38 @@ def holdout_table(artifact: dict) -> pd.DataFrame:
 
 
 def holdout_sentence(artifact: dict) -> str:
-    """One Markdown sentence with the run's result."""
+    """One Markdown sentence with the run's result, and :func:`selection_note` when it applies."""
     h = artifact["holdout"]
-    return (f"On **{h['n_items']}** held-out items, ablating **{h['heads_label']}** moves {artifact['task']['metric']} "
-            f"**{transition_text(h['full_accuracy'], h['ablated_accuracy'], h['gain_points'])}** "
-            f"(relative error reduction {rer_text(h['relative_error_reduction'])}): "
-            f"{h['help']} item(s) went wrong -> right and {h['harm']} right -> wrong.")
+    sentence = (f"On **{h['n_items']}** held-out items, ablating **{h['heads_label']}** moves {artifact['task']['metric']} "
+                f"**{transition_text(h['full_accuracy'], h['ablated_accuracy'], h['gain_points'])}** "
+                f"(relative error reduction {rer_text(h['relative_error_reduction'])}): "
+                f"{h['help']} item(s) went wrong -> right and {h['harm']} right -> wrong.")
+    note = selection_note(artifact)
+    return f"{sentence}\n\n{note}" if note else sentence
+
+
+def tied_at_top(artifact: dict) -> tuple[int, int]:
+    """(sets tied with the frozen one on discovery gain, harm and accuracy, the frozen one included; sets evaluated)."""
+    best = artifact["frozen"]["discovery"]
+    evaluated = {tuple(s["heads"]): s for s in artifact["stage1"] + artifact["stage2"]}
+    counts = (best["help"], best["harm"], best["n_correct"])
+    return sum((s["help"], s["harm"], s["n_correct"]) == counts for s in evaluated.values()), len(evaluated)
+
+
+def selection_note(artifact: dict) -> str:
+    """A warning when the frozen set is not a discovery finding: nothing improved discovery, or other evaluated
+    sets tie with it on gain, harm and accuracy, so the ranking's last keys (fewer heads, lower ids) chose it.
+    Empty otherwise. With few discovery items (MBPP on CPU: 2) every head can tie."""
+    best = artifact["frozen"]["discovery"]
+    tied, evaluated = tied_at_top(artifact)
+    notes = []
+    if best["gain_points"] <= 0:
+        notes.append(f"No evaluated head set improved discovery {artifact['task']['metric']} (the frozen set's discovery "
+                     f"gain is {best['gain_points']:+.1f} points), so the search found nothing.")
+    if tied > 1:
+        notes.append(f"{tied} of the {evaluated} evaluated sets tie on discovery gain, harm and accuracy; the "
+                     "ranking's last keys (fewer heads, then lower head ids) picked this one.")
+    return " ".join(["**Caution.**"] + notes) if notes else ""
 
 
 # --- is the gain real? (cel_utils.reliability) ----------------------------------------------------------------
@@ -436,11 +462,13 @@ def _reliability_columns(art: dict) -> dict:
     """Text cells for the results page from a run's significance, null, winner's curse and stability."""
     sig, rel = significance(art), art.get("reliability") or {}
     null, curse, stab = rel.get("null"), rel.get("winners_curse"), rel.get("stability")
+    tied = tied_at_top(art)[0]
     return {
         "ci": ci_text(sig), "p_value": sig["p_value"] if sig else float("nan"),
         "null_text": (f"{null['percentile']:.0f}th pct of {null['n_sets']} (p = {p_text(null['p_value'])})"
                       if null else "not run"),
-        "curse_text": (f"{curse['discovery_gain_points']:+.1f} -> {curse['holdout_gain_points']:+.1f}" if curse else "n/a"),
+        "curse_text": (f"{curse['discovery_gain_points']:+.1f} -> {curse['holdout_gain_points']:+.1f}" if curse else "n/a")
+        + (f", {tied} sets tied" if tied > 1 else ""),
         "stability_text": (f"{100 * stab['frozen_set_frequency']:.0f}% of {stab['n_resamples']}, Jaccard "
                            f"{stab['mean_jaccard']:.2f}, holdout gains {stab['holdout_gain_quantiles']['min']:+.1f} .. "
                            f"{stab['holdout_gain_quantiles']['max']:+.1f}" if stab else "not run"),
@@ -518,7 +546,9 @@ def results_markdown(artifacts: list[dict], paper_rows: list[dict], runs_dir: Pa
         out += ["## Is the gain real?", "",
                 "Per run: the holdout gain's paired 95% interval and exact McNemar p-value; the frozen set's place among "
                 "random head sets of the same size on the same holdout (percentile, empirical one-sided p); the discovery "
-                "gain against the holdout gain (the winner's curse); and how often the whole selection picks the same set "
+                "gain against the holdout gain (the winner's curse), with the number of evaluated sets that tie with the "
+                "frozen one on discovery when there is more than one (the ranking's last keys, fewer heads and lower head "
+                "ids, then chose among them); and how often the whole selection picks the same set "
                 "again on resampled discovery sets, how much the selections overlap (mean pairwise Jaccard) and the range "
                 "of their holdout gains. [Beyond the paper](beyond.md) defines each.",
                 "", _md_table(["task", "model", "gain: 95% CI, McNemar p", "vs random sets", "discovery -> holdout gain",

@@ -117,8 +117,26 @@ def test_run_tables_from_an_artifact():
     assert hold.loc["acc (primary)", "gain (points)"] == 25.0
     assert hold.loc["acc (primary)", "rel. error reduction"] == "50.0%"
     assert "50.0 -> 75.0 (+25.0)" in report.holdout_sentence(art)
+    assert report.selection_note(art) == ""  # a strict winner with a positive discovery gain
     overview = report.run_overview(art)
     assert overview.loc["frozen heads"].iloc[0] == "L0.H0+L1.H2"
+
+
+def test_selection_note_flags_ties_and_searches_that_found_nothing():
+    art = make_artifact()
+    tie = dict(art["stage2"][0], heads=["L0.H1", "L1.H2"])  # same counts as the frozen pair
+    art["stage2"].append(tie)
+    note = report.selection_note(art)
+    assert "2 of the 8 evaluated sets tie" in note and "found nothing" not in note
+    assert report._reliability_columns(art)["curse_text"].endswith(", 2 sets tied")  # the results page's column
+    # Nothing helps: every single head scores like the full model (MBPP on 2 items), the first one is frozen.
+    flat = {"accuracy": 0.5, "gain_points": 0.0, "n_correct": 2, "harm": 0, "help": 0}
+    art["stage1"] = [dict(flat, heads=[h]) for h in ("L0.H0", "L0.H1", "L0.H2")]
+    art["stage2"] = [dict(flat, heads=["L0.H0", "L0.H1"])] + art["stage1"][:2]
+    art["frozen"] = {"heads": ["L0.H0"], "label": "L0.H0", "discovery": art["stage1"][0]}
+    note = report.selection_note(art)
+    assert "gain is +0.0 points), so the search found nothing" in note and "4 of the 4 evaluated sets tie" in note
+    assert report.holdout_sentence(art).endswith(note)
 
 
 def test_heatmap_puts_each_gain_in_its_cell():
