@@ -178,37 +178,35 @@ STRATEGY_PARAMETERS = ("model", "task", "seed", "n_discovery", "n_holdout", "p",
 
 
 def cmd_strategies(args) -> int:
-    """Execute notebooks/cel_strategies.ipynb with papermill for every (model, task, seed)."""
-    import papermill as pm
+    """Execute notebooks/cel_strategies.ipynb with papermill for every (model, task, seed), as grid cells: a
+    page reaches book/strategies/ only when its notebook ran through (see cel_utils.grid)."""
+    from dataclasses import replace
 
     from cel_utils import grid
-    from cel_utils.artifacts import artifact_name
-    from cel_utils.models import display_name
+    from cel_utils.strategies import check_strategy_params
 
     paths = _paths(args)
     notebook = Path(args.notebook or grid.PACKAGE_DIR.parent / "notebooks" / "cel_strategies.ipynb")
-    out_dir = paths.root / "book" / "strategies"
     overrides = {name: getattr(args, name) for name in ("n_discovery", "n_holdout", "p", "k", "engine", "device",
                                                         "batch_size", "data_dir")}
     try:  # the grid's cells, so the same preset, overrides and checks give the same items as the run pages
         cells = grid.plan(args.models, args.tasks, args.seeds, args.preset, results_dir=paths.results_dir, **overrides)
+        for cell in cells:
+            check_strategy_params(args.beam_width, args.attribution_candidates, cell.parameters["p"])
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    jobs = [{**{key: value for key, value in cell.parameters.items() if key in STRATEGY_PARAMETERS},
-             "beam_width": args.beam_width, "attribution_candidates": args.attribution_candidates} for cell in cells]
     status = 0
-    for parameters in jobs:
-        stem = artifact_name(display_name(parameters["model"]), parameters["task"], parameters["seed"]).removesuffix(".json")
-        target = out_dir / f"{stem}.ipynb"
-        out_dir.mkdir(parents=True, exist_ok=True)
-        print(f"strategies: {stem} -> {target}", flush=True)
-        try:
-            pm.execute_notebook(str(notebook), str(target), parameters=parameters, kernel_name="python3",
-                                progress_bar=False, cwd=str(paths.root))
-        except Exception as error:  # noqa: BLE001 - reported; the other cells still run
-            print(f"FAILED {stem}: {grid._error_text(error)} (notebook kept in {target})", file=sys.stderr)
-            status = 1
+    for cell in cells:
+        parameters = {key: value for key, value in cell.parameters.items() if key in STRATEGY_PARAMETERS}
+        cell = replace(cell, parameters={**parameters, "beam_width": args.beam_width,
+                                         "attribution_candidates": args.attribution_candidates},
+                       runs_dir=str(paths.root / "book" / "strategies"), results_dir=str(paths.results_dir / "strategies"),
+                       notebook=str(notebook.resolve()), cwd=str(paths.root), retitle=False)
+        print(f"strategies: {cell.name} -> {cell.page}", flush=True)
+        result = grid.run_cell(cell)
+        print(grid.result_line(result), file=sys.stderr if result.status == "failed" else sys.stdout, flush=True)
+        status = 1 if result.status == "failed" else status
     print(f"summaries in {paths.results_dir / 'strategies'}; `python -m cel_utils aggregate` adds them to the results page")
     return status
 

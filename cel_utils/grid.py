@@ -11,7 +11,8 @@ end; the CLI exits non-zero) and never stops the others. Its executed notebook g
 debugging, never into ``book/runs/``, so it cannot reach the table of contents. A failure before ``run_cel``
 finished leaves no artifact (and keeps any earlier successful run of the cell as it was); a failure after it
 (in a plot or table) moves the fresh artifact to ``results/failed/`` too and drops the cell's earlier page,
-which no longer matches any artifact.
+which no longer matches any artifact. ``python -m cel_utils strategies`` runs its notebook through the same
+cells (into ``book/strategies/`` and ``results/strategies/``), so its pages follow the same rule.
 
 Executors: ``local`` runs cells in this process one after the other, or ``jobs`` at a time in worker processes
 (each papermill run starts its own kernel); ``submitit-local`` and ``slurm`` submit one submitit job per cell
@@ -133,6 +134,7 @@ class Cell:
     notebook: str = str(DEFAULT_NOTEBOOK)
     cwd: str | None = None
     kernel_name: str = "python3"
+    retitle: bool = True  # give the page the run title (see retitle); off for other notebooks (strategies)
 
     @property
     def name(self) -> str:
@@ -170,7 +172,7 @@ class CellResult:
     notebook: str | None = None
     artifact: str | None = None
     error: str | None = None
-    holdout: dict | None = None  # the artifact's holdout summary (ok and skipped cells)
+    holdout: dict | None = None  # the artifact's holdout summary (ok and skipped run cells)
 
 
 def plan(models: Iterable[str], tasks: Iterable[str], seeds: Iterable[int] = (0,), preset: str = "auto", *,
@@ -276,7 +278,8 @@ def run_cell(cell: Cell, skip_existing: bool = False) -> CellResult:
         result.seconds = time.perf_counter() - start
         _file_failure(cell, before, result)
         return result
-    retitle(cell.staging)
+    if cell.retitle:
+        retitle(cell.staging)
     cell.page.parent.mkdir(parents=True, exist_ok=True)
     os.replace(cell.staging, cell.page)
     for stale in (cell.failed_dir / f"{cell.name}.ipynb", cell.failed_dir / f"{cell.name}.json"):
@@ -284,7 +287,7 @@ def run_cell(cell: Cell, skip_existing: bool = False) -> CellResult:
     from cel_utils.artifacts import read_artifact
 
     result.status, result.notebook, result.artifact = "ok", str(cell.page), str(cell.artifact)
-    result.holdout = read_artifact(cell.artifact)["holdout"]
+    result.holdout = read_artifact(cell.artifact).get("holdout")  # a strategies summary has none
     result.seconds = time.perf_counter() - start
     return result
 
@@ -459,7 +462,7 @@ def result_line(result: CellResult) -> str:
     numbers = (f"{transition_text(h['full_accuracy'], h['ablated_accuracy'], h['gain_points'])}, "
                f"rel. error red. {rer_text(h['relative_error_reduction'])}, heads {h['heads_label']}") if h else ""
     label = "ok     " if result.status == "ok" else "skipped"
-    return f"{label} {result.name}: {numbers} [{result.seconds:.0f} s]"
+    return f"{label} {result.name}{': ' + numbers if numbers else ''} [{result.seconds:.0f} s]"
 
 
 def summary_text(results: list[CellResult]) -> str:

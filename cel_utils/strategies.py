@@ -152,6 +152,17 @@ def screening_agreement(estimate: np.ndarray, table: OutcomeTable, p: int) -> di
     }
 
 
+def check_strategy_params(beam_width: int, attribution_candidates: int | None, p: int) -> int:
+    """Check the strategies' own parameters; returns the number of attribution candidates (default: p)."""
+    candidates = p if attribution_candidates is None else attribution_candidates
+    if not isinstance(beam_width, int) or isinstance(beam_width, bool) or beam_width < 1:
+        raise ValueError(f"beam_width must be a positive integer, got {beam_width!r}")
+    if not isinstance(candidates, int) or isinstance(candidates, bool) or candidates < p:
+        raise ValueError(f"attribution_candidates must be an integer >= p = {p} (the pool is drawn from them), "
+                         f"got {candidates!r}")
+    return candidates
+
+
 def compare_strategies(config, *, beam_width: int = 3, attribution_candidates: int | None = None, lm=None,
                        progress: bool = True) -> dict:
     """Every strategy on one (model, task, seed) with the run's data draw; returns and writes the summary."""
@@ -163,12 +174,7 @@ def compare_strategies(config, *, beam_width: int = 3, attribution_candidates: i
     from cel_utils.splits import load_task_data
 
     config.validate()
-    candidates = attribution_candidates or config.p
-    if not isinstance(beam_width, int) or beam_width < 1:
-        raise ValueError(f"beam_width must be a positive integer, got {beam_width!r}")
-    if not isinstance(candidates, int) or candidates < config.p:
-        raise ValueError(f"attribution_candidates must be an integer >= p = {config.p} (the pool is drawn from them), "
-                         f"got {candidates!r}")
+    candidates = check_strategy_params(beam_width, attribution_candidates, config.p)
     timings = {}
     data = load_task_data(config.task, config.n_discovery, config.n_holdout, seed=config.seed,
                           num_fewshot=config.num_fewshot, data_dir=config.data_dir)

@@ -1,4 +1,5 @@
 """Search strategies on synthetic evaluators, and attribution patching on tiny random models."""
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +12,8 @@ from cel_utils.strategies import (Ledger, attribution_pool, beam, exhaustive, fo
                                   top_heads)
 
 from fakes import GEOMETRY, XorEvaluator
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _mask(n, *items):
@@ -195,6 +198,7 @@ def test_cli_executes_the_strategies_notebook_and_the_results_page_shows_it(tmp_
     assert payload["screening"]["full_margin_max_abs_difference"] < 1e-3
     assert payload["data"]["source"] == "mirror"  # where the items came from, as in a run's artifact
     nb = nbformat.read(tmp_path / "book" / "strategies" / f"{stem}.ipynb", as_version=4)
+    assert nb.cells[0].source.startswith("# Search strategies compared")  # not given a run's title
     by_id = {c.get("id"): c for c in nb.cells}
     assert any("image/png" in o.get("data", {}) for o in by_id["screening"].outputs)
     assert any("text/html" in o.get("data", {}) for o in by_id["run"].outputs)
@@ -203,15 +207,38 @@ def test_cli_executes_the_strategies_notebook_and_the_results_page_shows_it(tmp_
     assert "## Search strategies" in page and "| exhaustive (paper) |" in page and "Spearman" in page
 
 
-def test_strategies_notebook_template_and_its_parameters():
-    from pathlib import Path
+def test_a_failed_strategies_notebook_stays_out_of_the_book(tmp_path, data_dir):
+    import nbformat
 
+    from cel_utils.__main__ import main
+
+    template = nbformat.read(REPO / "notebooks" / "cel_strategies.ipynb", as_version=4)
+    template.cells.append(nbformat.v4.new_code_cell('raise RuntimeError("the last cell broke")'))
+    broken = tmp_path / "broken.ipynb"
+    nbformat.write(template, broken)
+    args = ["strategies", "--root", str(tmp_path), "--models", "random:llama:tiny", "--tasks", "arithmetic_2da",
+            "--preset", "smoke", "--engine", "naive", "--data-dir", data_dir, "--beam-width", "2"]
+    stem = "random-llama-tiny__arithmetic_2da__seed0"
+    page = tmp_path / "book" / "strategies" / f"{stem}.ipynb"
+    summary = tmp_path / "results" / "strategies" / f"{stem}.json"
+    assert main(args) == 0 and page.exists() and summary.exists()
+    assert main(args + ["--notebook", str(broken)]) == 1
+    # The rerun wrote a new summary before it broke, so the earlier page no longer matches it: both leave the book.
+    assert not page.exists() and not summary.exists()
+    failed = tmp_path / "results" / "strategies" / "failed"
+    assert (failed / f"{stem}.ipynb").exists() and (failed / f"{stem}.json").exists()
+    assert main(args) == 0 and page.exists() and not (failed / f"{stem}.ipynb").exists()  # a success clears them
+    # The strategies' own parameters are checked before any notebook runs.
+    assert main(args + ["--beam-width", "0"]) == 2 and main(args + ["--attribution-candidates", "1"]) == 2
+
+
+def test_strategies_notebook_template_and_its_parameters():
     import nbformat
     import papermill as pm
 
     from cel_utils.__main__ import STRATEGY_PARAMETERS
 
-    path = Path(__file__).resolve().parents[1] / "notebooks" / "cel_strategies.ipynb"
+    path = REPO / "notebooks" / "cel_strategies.ipynb"
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
     assert all(not c.outputs and c.execution_count is None for c in nb.cells if c.cell_type == "code")
