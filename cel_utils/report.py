@@ -285,8 +285,8 @@ def strategies_table(payload: dict) -> pd.DataFrame:
     return pd.DataFrame({
         "strategy": [r["strategy"] for r in rows],
         "heads": [r["label"] for r in rows],
-        "discovery gain": [round(r["discovery_gain_points"], 2) for r in rows],
-        "holdout gain": [round(r["holdout_gain_points"], 2) for r in rows],
+        "discovery gain": [f"{r['discovery_gain_points']:+.1f}" for r in rows],
+        "holdout gain": [f"{r['holdout_gain_points']:+.1f}" for r in rows],
         "holdout 95% CI": [f"[{r['holdout_ci'][0]:+.1f}, {r['holdout_ci'][1]:+.1f}]" for r in rows],
         "McNemar p": [p_text(r["holdout_p_value"]) for r in rows],
         "evaluations": [r["evaluations"] for r in rows],

@@ -231,3 +231,14 @@ def test_a_broken_artifact_is_an_error_not_a_silent_gap(tmp_path, bad):
     (tmp_path / "x.json").write_text(bad)
     with pytest.raises(ValueError):
         report.write_results_page(tmp_path, tmp_path / "results.md")
+
+
+def test_strategies_table_shows_signed_gains_and_cost_relative_to_the_paper():
+    row = {"label": "L1.H2", "discovery_gain_points": 12.5, "holdout_gain_points": -3.75, "holdout_ci": [-8.75, 0.0],
+           "holdout_p_value": 0.25, "evaluations": 281, "forward_equivalents": 1204.0}
+    payload = {"strategies": [dict(row, strategy="exhaustive (paper)"),
+                              dict(row, strategy="greedy", discovery_gain_points=0.0, forward_equivalents=3010.0)]}
+    table = report.strategies_table(payload)
+    assert list(table["discovery gain"]) == ["+12.5", "+0.0"] and list(table["holdout gain"]) == ["-3.8", "-3.8"]
+    assert list(table["holdout 95% CI"]) == ["[-8.8, +0.0]"] * 2
+    assert list(table["cost vs exhaustive"]) == ["1.00x", "2.50x"]
