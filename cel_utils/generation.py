@@ -77,7 +77,8 @@ def _prefix_states(lm: LoadedModel, prefix: Sequence[int], heads, masks: torch.T
         return cache.layers[layer].keys[row], cache.layers[layer].values[row]
 
     clean = DynamicCache(config=lm.model.config)
-    with capture_layer_outputs(lm.model, range(n_layers - 1)) as kept:
+    # Keep only the residual streams an ablated pass resumes from (as the engine does), not every layer's.
+    with capture_layer_outputs(lm.model, {f - 1 for f in first if 0 < f < n_layers}) as kept:
         base(input_ids=ids, cache=clean, use_cache=True)
     per_set = [[kv(clean, layer, 0) for layer in range(n_layers)] for _ in first]
     for start in sorted(set(first) - {n_layers}):
