@@ -252,6 +252,27 @@ def _error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
+# jupyter_client picks a kernel's ports by binding free ones and releasing them, so kernels that parallel cells
+# (--jobs, submitit) start at the same moment can pick the same port, and one dies before it answers. No notebook
+# cell has run then, so starting it again is safe; any other failure is the run's own and is not retried.
+KERNEL_START_ERRORS = ("Kernel died before replying to kernel_info", "Kernel didn't respond in")
+KERNEL_START_ATTEMPTS = 3
+
+
+def _execute(cell: Cell) -> None:
+    """papermill on the cell's notebook, into its staging path; a kernel that fails to start is started again."""
+    import papermill as pm
+
+    for attempt in range(1, KERNEL_START_ATTEMPTS + 1):
+        try:
+            pm.execute_notebook(cell.notebook, str(cell.staging), parameters=cell.parameters,
+                                kernel_name=cell.kernel_name, progress_bar=False, cwd=cell.cwd)
+            return
+        except RuntimeError as error:
+            if attempt == KERNEL_START_ATTEMPTS or not str(error).startswith(KERNEL_START_ERRORS):
+                raise
+
+
 def run_cell(cell: Cell, skip_existing: bool = False) -> CellResult:
     """Execute the notebook for one cell; never raises for a failing run (the result says what failed)."""
     p = cell.parameters
@@ -262,15 +283,12 @@ def run_cell(cell: Cell, skip_existing: bool = False) -> CellResult:
             result.status, result.notebook, result.artifact = "skipped", str(cell.page), str(cell.artifact)
             result.holdout = artifact["holdout"]
             return result
-    import papermill as pm
-
     start = time.perf_counter()
     before = _stat(cell.artifact)
     cell.staging.parent.mkdir(parents=True, exist_ok=True)
     cell.staging.unlink(missing_ok=True)
     try:
-        pm.execute_notebook(cell.notebook, str(cell.staging), parameters=p, kernel_name=cell.kernel_name,
-                            progress_bar=False, cwd=cell.cwd)
+        _execute(cell)
         if not cell.artifact.exists() or _stat(cell.artifact) == before:
             raise RuntimeError(f"the notebook finished but wrote no new artifact {cell.artifact}")
     except Exception as error:  # noqa: BLE001 - a failed cell is reported, never raised

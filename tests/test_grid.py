@@ -108,6 +108,41 @@ def test_a_failure_after_the_artifact_was_written_leaves_nothing_in_the_book(tmp
     assert (tmp_path / "results" / "failed" / f"{cell.name}.json").exists()  # kept for debugging, outside the book
 
 
+def test_a_kernel_that_dies_at_start_up_is_started_again(tmp_path, monkeypatch):
+    import papermill as pm
+
+    (cell,) = grid.plan([GOOD], ["arithmetic_2da"], [0], "smoke", runs_dir=tmp_path / "runs",
+                        results_dir=tmp_path / "results", engine="naive", data_dir=DATA_DIR)
+    real, calls = pm.execute_notebook, []
+
+    def flaky(*args, **kwargs):  # the first start loses a port race, as parallel cells can
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("Kernel died before replying to kernel_info")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pm, "execute_notebook", flaky)
+    result = grid.run_cell(cell)
+    assert result.status == "ok" and len(calls) == 2 and cell.page.exists()
+
+    def dead(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("Kernel died before replying to kernel_info")
+
+    calls.clear()
+    monkeypatch.setattr(pm, "execute_notebook", dead)
+    result = grid.run_cell(cell)
+    assert result.status == "failed" and "Kernel died" in result.error and len(calls) == grid.KERNEL_START_ATTEMPTS
+
+    def broken(*args, **kwargs):  # a failure of the run itself is not retried
+        calls.append(1)
+        raise RuntimeError("the run broke")
+
+    calls.clear()
+    monkeypatch.setattr(pm, "execute_notebook", broken)
+    assert "the run broke" in grid.run_cell(cell).error and len(calls) == 1
+
+
 def test_cli_exit_codes(tmp_path, capsys):
     common = ["--root", str(tmp_path), "--tasks", "arithmetic_2da", "--preset", "smoke", "--engine", "naive"]
     common += ["--data-dir", DATA_DIR] if DATA_DIR else []
