@@ -16,10 +16,10 @@ import time
 
 import torch
 
-from cel_utils.ablation import ablated, zero_heads_in_weights
-from cel_utils.engine import EngineEvaluator
-from cel_utils.models import load_model
-from cel_utils.splits import load_task_data
+from cel_utils.evaluation.engine import EngineEvaluator
+from cel_utils.models.ablation import ablated, zero_heads_in_weights
+from cel_utils.models.loading import load_model
+from cel_utils.tasks.splits import load_task_data
 
 DEFAULT_N = {"arithmetic": 500, "boolq": 500, "hellaswag": 500, "mbpp": 100}
 
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
     lm = load_model(args.model)
     print(f"{lm.name}: hook vs weight surgery, max |logit difference| = {exactness(lm):.3g}", flush=True)
-    print(f"\n| task | format | few-shot | items | accuracy | wall s |\n|---|---|---|---|---|---|")
+    print("\n| task | format | few-shot | items | accuracy | wall s |\n|---|---|---|---|---|---|")
     for task in args.tasks:
         for num_fewshot in shots.get(task, [0]):
             data = load_task_data(task, 1, sizes[task], seed=0, num_fewshot=num_fewshot, data_dir=args.data_dir)

@@ -24,12 +24,12 @@ import time
 import numpy as np
 import torch
 
-from cel_utils.engine import EngineEvaluator
-from cel_utils.evaluation import NaiveEvaluator
-from cel_utils.models import load_model
-from cel_utils.protocol import lower_precision
-from cel_utils.search import run_search
-from cel_utils.splits import load_task_data
+from cel_utils.evaluation.engine import EngineEvaluator
+from cel_utils.evaluation.evaluator import NaiveEvaluator
+from cel_utils.models.loading import load_model
+from cel_utils.pipeline.protocol import lower_precision
+from cel_utils.search.algorithm import run_search
+from cel_utils.tasks.splits import load_task_data
 
 DEFAULT_N = {"arithmetic": 32, "boolq": 4, "hellaswag": 4}
 DEFAULT_FEWSHOT = {"arithmetic": 0, "boolq": 0, "hellaswag": 0}
@@ -55,7 +55,7 @@ def matmul_throughput(device: torch.device, dtype: torch.dtype, hidden: int, ffn
 def ideal_flops(engine: EngineEvaluator, interventions) -> float:
     """FLOPs the engine must spend, without padding: one clean pass, each intervention's suffix layers
     (projections, MLP and the attention products over the keys each token sees), and the scored logits."""
-    from cel_utils.models import decoder_layers
+    from cel_utils.models.plumbing import decoder_layers
 
     model, geometry = engine.lm.model, engine.lm.geometry
     layer = decoder_layers(model)[0]

@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from cel_utils.sandbox import run_program
+from cel_utils.evaluation.sandbox import run_program
 
 WRONG_ADD = "def add(a, b):\n    return 0\n"
 ADD_TESTS = ["assert add(1, 2) == 3"]

@@ -14,7 +14,7 @@ SHARED_DATA = (REPO.parent / "shared" / "data").resolve()
 def fresh_result_caches(tmp_path_factory):
     """The evaluation store and the execution cache start empty in every session, so that no test passes by
     reading what an earlier session stored; dequantized checkpoints (models/) are shared: they only cost time."""
-    from cel_utils.models import cache_dir
+    from cel_utils.paths import cache_dir
 
     models = cache_dir() / "models"
     models.mkdir(parents=True, exist_ok=True)
@@ -38,21 +38,22 @@ def data_dir() -> str:
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from cel_utils.models import DEFAULT_MODEL, _locate
+    from cel_utils.models.loading import DEFAULT_MODEL, locate
 
-    return AutoTokenizer.from_pretrained(_locate(DEFAULT_MODEL)[0])
+    return AutoTokenizer.from_pretrained(locate(DEFAULT_MODEL)[0])
 
 
 @pytest.fixture(scope="session")
 def tiny_models(tokenizer):
     """One tiny random-weight model per supported family, built from configs."""
-    from cel_utils.random_models import FAMILIES, random_model
+    from cel_utils.models.loading import random_model
+    from cel_utils.models.random_models import FAMILIES
 
     return {family: random_model(family, tokenizer=tokenizer) for family in FAMILIES}
 
 
 @pytest.fixture(scope="session")
 def default_model():
-    from cel_utils.models import load_model
+    from cel_utils.models.loading import load_model
 
     return load_model()

@@ -3,8 +3,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from cel_utils.heads import HeadGeometry, head_set
-from cel_utils.scoring import Outcome
+from cel_utils.models.heads import HeadGeometry, head_set
+from cel_utils.tasks.scoring import Outcome
 
 GEOMETRY = HeadGeometry(n_layers=4, n_heads=3, n_kv_heads=3, head_dim=8)
 

@@ -6,8 +6,9 @@ WRITE_DELAY_S sleeps before each store write, so that the run lasts long enough 
 import sys
 import time
 
-from cel_utils import store
-from cel_utils.protocol import RunConfig, run_cel
+from cel_utils.config import RunConfig
+from cel_utils.evaluation import store
+from cel_utils.pipeline.protocol import run_cel
 
 RUN = dict(model="random:llama:tiny", task="hellaswag", n_discovery=12, n_holdout=10, p=3, k=2, batch_size=4,
            n_random_sets=3, n_resamples=2)

@@ -5,10 +5,10 @@ import random
 import pytest
 import torch
 
-from cel_utils.ablation import ablated, ablated_rows, head_mask, zero_heads_in_weights
-from cel_utils.heads import HeadId
-from cel_utils.models import attention_output_projections
-from cel_utils.random_models import FAMILIES
+from cel_utils.models.ablation import ablated, ablated_rows, head_mask, zero_heads_in_weights
+from cel_utils.models.heads import HeadId
+from cel_utils.models.plumbing import attention_output_projections
+from cel_utils.models.random_models import FAMILIES
 
 
 def _random_sets(geometry, n_sets, seed):

@@ -7,14 +7,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import cel_utils.engine as engine_module
-import cel_utils.evaluation as evaluation_module
-import cel_utils.protocol as protocol
-from cel_utils.heads import HeadId, parse_head
-from cel_utils.protocol import RunConfig, run_cel
-from cel_utils.search import run_search
-from cel_utils.splits import check_disjoint, load_task_data
-from cel_utils.tasks import Item, get_task
+import cel_utils.evaluation.engine as engine_module
+import cel_utils.evaluation.evaluator as evaluation_module
+import cel_utils.pipeline.protocol as protocol
+from cel_utils.config import RunConfig
+from cel_utils.models.heads import HeadId, parse_head
+from cel_utils.pipeline.protocol import run_cel
+from cel_utils.search.algorithm import run_search
+from cel_utils.tasks.specs import Item, get_task
+from cel_utils.tasks.splits import check_disjoint, load_task_data
 
 REPO = Path(__file__).resolve().parents[1]
 MIRROR = REPO.parent / "shared" / "data"
@@ -33,7 +34,8 @@ CASES = [
      r"is a directory without config.json, not a checkpoint: point it at the folder that holds config.json", "validate"),
     ("unknown task", {"task": "arithmetic_9dz"}, ValueError,
      r"unknown task 'arithmetic_9dz': choose from arithmetic, arithmetic_1dc", "validate"),
-    ("unknown prompt format", {"fmt": "html"}, ValueError, r"unknown prompt format 'html': choose from", "validate"),
+    ("unknown prompt format", {"fmt": "html"}, ValueError, r"unknown fmt 'html': choose from plain, chat \(fmt: prompt "
+     r"format", "validate"),
     ("unknown engine", {"engine": "turbo"}, ValueError, r"unknown engine 'turbo': choose from", "validate"),
     ("unknown dtype", {"dtype": "float8"}, ValueError, r"unknown dtype 'float8': use one of 'auto'", "validate"),
     ("unknown device", {"device": "tpu"}, ValueError, r"unknown device 'tpu': use 'auto'", "validate"),
@@ -44,9 +46,10 @@ CASES = [
     ("p larger than the number of heads", {"p": 13}, ValueError,
      r"pool size p=13 is larger than the model's 12 heads: use p <= 12", "model"),
     ("discovery size zero", {"n_discovery": 0}, ValueError,
-     r"n_discovery must be a positive integer or None \(the paper's size\), got 0", "validate"),
+     r"n_discovery must be a positive integer or None, got 0 \(n_discovery: discovery items \(none: the paper's Table 3 "
+     r"size", "validate"),
     ("holdout size zero", {"n_holdout": 0}, ValueError,
-     r"n_holdout must be a positive integer or None \(the paper's size\), got 0", "validate"),
+     r"n_holdout must be a positive integer or None, got 0 \(n_holdout: holdout items \(none: the paper's", "validate"),
     ("discovery larger than the data", {"task": "mbpp", "n_discovery": 400}, ValueError,
      r"mbpp: discovery size 400 is larger than the 374 items available in train; use at most 374", "data"),
     ("holdout larger than the data", {"task": "mbpp", "n_holdout": 501}, ValueError,
@@ -57,7 +60,8 @@ CASES = [
     ("too many few-shot exemplars", {"task": "mbpp", "num_fewshot": 5}, ValueError,
      r"mbpp: only 3 fixed exemplars exist, asked for num_fewshot=5; use num_fewshot <= 3", "data"),
     ("negative num_fewshot", {"num_fewshot": -1}, ValueError,
-     r"num_fewshot must be a non-negative integer or None \(the task's default\), got -1", "validate"),
+     r"num_fewshot must be a non-negative integer or None, got -1 \(num_fewshot: few-shot exemplars \(none: the task's "
+     r"default", "validate"),
     ("negative seed", {"seed": -1}, ValueError, r"seed must be a non-negative integer, got -1", "validate"),
     ("data dir that does not exist", {"data_dir": "/no/such/mirror"}, FileNotFoundError,
      r"data_dir '/no/such/mirror' does not exist or is not a directory: point it at a local mirror laid out like "
@@ -68,8 +72,8 @@ CASES = [
     ("unwritable results directory", {"results_dir": "{tmp}/a file/results"}, PermissionError,
      r"results directory '.*/a file/results' is not writable \(Not a directory\): choose another results_dir", "validate"),
     ("cache not a bool", {"cache": "yes"}, ValueError,
-     r"cache must be True \(keep evaluations in the store\) or False, got 'yes'; the store's folder is chosen with "
-     r"\$CEL_CACHE_DIR", "validate"),
+     r"cache must be bool, got 'yes' \(cache: keep every finished evaluation in the store under \$CEL_CACHE_DIR",
+     "validate"),
 ]
 if not torch.cuda.is_available():
     CASES.append(("CUDA device without CUDA", {"device": "cuda"}, ValueError,
@@ -128,7 +132,7 @@ def test_unwritable_store_is_caught_in_validate(tmp_path, spied, monkeypatch):
     config = RunConfig(**{**BASE, "cache": True, "data_dir": str(MIRROR), "results_dir": str(tmp_path / "results")})
     with pytest.raises(PermissionError, match=r"the evaluation store '.*/a file/evals' is not writable \(Not a "
                                               r"directory\): set \$CEL_CACHE_DIR to a writable directory, or turn the "
-                                              r"store off \(RunConfig\(cache=False\)\)"):
+                                              r"store off \(cache=False, --no-cache\)"):
         run_cel(config, progress=False)
     assert _stage(spied) == "validate"
     _assert_nothing_written(tmp_path / "results")
@@ -142,7 +146,7 @@ def test_unsupported_architecture(tmp_path, spied):
               word_embed_proj_dim=16).save_pretrained(checkpoint)  # the config alone: no weights are read
     config = RunConfig(**{**BASE, "model": str(checkpoint), "data_dir": str(MIRROR), "results_dir": str(tmp_path / "r")})
     with pytest.raises(ValueError, match=r"unsupported architecture 'opt': cel_utils knows where the attention output "
-                                         r"projection is for \[.*\]; add one line to cel_utils.models.ARCHITECTURES"):
+                                         r"projection is for \[.*\]; add one line to cel_utils.models.plumbing.ARCHITECTURES"):
         run_cel(config, progress=False)
     assert _stage(spied) == "model"
     _assert_nothing_written(tmp_path / "r")
@@ -211,7 +215,7 @@ def test_malformed_rows(tmp_path, spied, name, damage, every_row, message):
 # --- head ids, overlapping sets -------------------------------------------------------------------------------
 
 def test_a_head_outside_the_model_fails_before_any_forward(tiny_models, data_dir, monkeypatch):
-    from cel_utils.engine import EngineEvaluator
+    from cel_utils.evaluation.engine import EngineEvaluator
 
     monkeypatch.setattr(engine_module, "capture_layer_outputs", lambda *a, **k: pytest.fail("a forward ran"))
     lm = tiny_models["llama"]
@@ -242,8 +246,9 @@ def test_bad_papermill_parameter_fails_in_the_validate_cell(tmp_path):
     import papermill as pm
 
     notebook, output, results = REPO / "notebooks" / "cel_run.ipynb", tmp_path / "bad.ipynb", tmp_path / "results"
-    parameters = {**{k: v for k, v in BASE.items() if k != "cache"}, "data_dir": "/no/such/mirror",
-                  "results_dir": str(results)}
+    settings = {k: v for k, v in BASE.items() if k not in ("model", "task", "cache")}
+    parameters = {"model": BASE["model"], "task": BASE["task"], "preset": "none",
+                  "config": {**settings, "data_dir": "/no/such/mirror", "results_dir": str(results)}}
     with pytest.raises(pm.PapermillExecutionError) as caught:
         pm.execute_notebook(str(notebook), str(output), parameters=parameters, kernel_name="python3",
                             progress_bar=False, cwd=str(tmp_path))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cel_utils.__main__ import main
+from cel_utils.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 MIRROR = Path(os.environ.get("CEL_DATA_DIR") or REPO.parent / "shared" / "data")
@@ -40,7 +40,7 @@ def test_book_builds_with_warnings_as_errors(built):
     results = (built / "book" / "results.html").read_text()
     assert f'href="runs/{RUN}.html"' in results
     run_page = (built / "book" / "runs" / f"{RUN}.html").read_text()
-    assert "<title>CEL run: random:llama:tiny on arithmetic_2da" in run_page
+    assert "<title>CEL run: random-llama-tiny on arithmetic_2da (seed 0)" in run_page
     sidebar = (built / "book" / "intro.html").read_text()
     assert "random-llama-tiny on arithmetic_2da (seed 0)" in sidebar  # the toc's explicit title
 
@@ -71,7 +71,7 @@ def test_results_table_and_heatmap_in_chromium(built, tmp_path):
     assert "70.40 -> 83.50 (+13.10), 44.26%" in text_of(tables[3])
 
     dom = dump_dom(built / "book" / "runs" / f"{RUN}.html", tmp_path / "profile")
-    assert "CEL run: random:llama:tiny on arithmetic_2da" in text_of(dom)
+    assert "CEL run: random-llama-tiny on arithmetic_2da (seed 0)" in text_of(dom)
     sources = re.findall(r'<img[^>]*\bsrc="([^"]+)"', dom)
     images = [s for s in sources if s.startswith("data:image/") or s.endswith(".png")]
     assert images, f"no heat map image among {sources}"

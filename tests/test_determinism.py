@@ -5,11 +5,12 @@ import json
 import numpy as np
 import pytest
 
-from cel_utils.engine import EngineEvaluator
-from cel_utils.heads import HeadId
-from cel_utils.protocol import RunConfig, run_cel
-from cel_utils.search import rank, score
-from cel_utils.splits import load_task_data
+from cel_utils.config import RunConfig
+from cel_utils.evaluation.engine import EngineEvaluator
+from cel_utils.models.heads import HeadId
+from cel_utils.pipeline.protocol import run_cel
+from cel_utils.search.ranking import rank, score
+from cel_utils.tasks.splits import load_task_data
 
 TIE = 1e-4  # |margin| below this is a float tie: either decision is right
 RUN = dict(model="random:llama:tiny", task="hellaswag", n_discovery=12, n_holdout=10, p=3, k=2, batch_size=4,

@@ -4,10 +4,11 @@ import json
 import numpy as np
 import pytest
 
-from cel_utils.engine import EngineEvaluator
-from cel_utils.evaluation import NaiveEvaluator
-from cel_utils.protocol import RunConfig, run_cel
-from cel_utils.splits import load_task_data
+from cel_utils.config import RunConfig
+from cel_utils.evaluation.engine import EngineEvaluator
+from cel_utils.evaluation.evaluator import NaiveEvaluator
+from cel_utils.pipeline.protocol import run_cel
+from cel_utils.tasks.splits import load_task_data
 
 pytestmark = pytest.mark.slow
 

@@ -3,11 +3,12 @@ import numpy as np
 import pytest
 import torch
 
-from cel_utils.engine import MAX_PADDING, EngineEvaluator, base_model, capture_layer_outputs, start_at_layer
-from cel_utils.evaluation import NaiveEvaluator
-from cel_utils.heads import HeadId
-from cel_utils.random_models import FAMILIES
-from cel_utils.splits import load_task_data
+from cel_utils.evaluation.engine import MAX_PADDING, EngineEvaluator
+from cel_utils.evaluation.evaluator import NaiveEvaluator
+from cel_utils.models.heads import HeadId
+from cel_utils.models.plumbing import base_model, capture_layer_outputs, start_at_layer
+from cel_utils.models.random_models import FAMILIES
+from cel_utils.tasks.splits import load_task_data
 
 TIE = 1e-4  # |margin| below this is a float tie: either decision is right
 
@@ -83,9 +84,12 @@ def test_replaying_kept_states_reproduces_the_full_forward(tiny_models, family):
 
 
 def test_generation_stacks_interventions_without_changing_outputs(tiny_models, data_dir, monkeypatch):
-    import cel_utils.generation as generation
+    import dataclasses
 
-    monkeypatch.setattr(generation, "score_generations", lambda requests, completions, **kw: completions)
+    from cel_utils.evaluation import kinds
+
+    completions_only = dataclasses.replace(kinds.KINDS["generate"], decide=lambda task, requests, completions, **kw: completions)
+    monkeypatch.setitem(kinds.KINDS, "generate", completions_only)  # compare the texts, not the sandbox's verdicts
     lm = tiny_models["llama"]
     data = load_task_data("mbpp", 2, 2, seed=0, num_fewshot=0, data_dir=data_dir)
     interventions = _interventions(lm.geometry)[:4]

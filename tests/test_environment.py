@@ -1,8 +1,8 @@
 """environment.yml (conda) and pyproject.toml (pip) describe the same environment."""
 import re
-import tomllib
 from pathlib import Path
 
+import tomllib
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,16 +38,16 @@ def test_torch_is_pinned_to_the_cpu_wheel_on_disk():
 
 
 def test_readme_cpu_table_matches_the_cpu_preset():
-    from cel_utils import grid
-    from cel_utils.tasks import get_task
+    from cel_utils.config import RunConfig, default_tasks
+    from cel_utils.tasks.specs import get_task
 
     readme = (REPO / "README.md").read_text()
     rows = [line.strip("|").split("|") for line in readme.splitlines()
-            if line.startswith("| ") and line.split("|")[1].strip() in grid.default_tasks("cpu")]
-    assert [row[0].strip() for row in rows] == list(grid.default_tasks("cpu"))
+            if line.startswith("| ") and line.split("|")[1].strip() in default_tasks("cpu")]
+    assert [row[0].strip() for row in rows] == list(default_tasks("cpu"))
     for task, *cells in rows:
-        preset = grid.preset_for("cpu", task.strip())
-        fewshot = preset.num_fewshot if preset.num_fewshot is not None else get_task(task.strip()).default_fewshot
-        expected = [fewshot, preset.n_discovery, preset.n_holdout, preset.p, preset.k, preset.n_random_sets,
-                    preset.n_resamples, preset.max_new_tokens if task.strip() == "mbpp" else "-"]
+        c = RunConfig.from_dict({"task": task.strip(), "preset": "cpu"})
+        fewshot = c.num_fewshot if c.num_fewshot is not None else get_task(c.task).default_fewshot
+        expected = [fewshot, c.n_discovery, c.n_holdout, c.p, c.k, c.n_random_sets, c.n_resamples,
+                    c.max_new_tokens if c.task == "mbpp" else "-"]
         assert [cell.strip() for cell in cells] == [str(value) for value in expected], task

@@ -4,12 +4,19 @@ import json
 import pytest
 import torch
 
-from cel_utils.__main__ import main
-from cel_utils.artifacts import SCHEMA_VERSION, write_json
-from cel_utils.export import export_ablated, hooked_logits, logits_in_clean_process, projection_has_bias, verify_export
-from cel_utils.heads import HeadId
-from cel_utils.models import LoadedModel, head_geometry
-from cel_utils.random_models import FAMILIES
+from cel_utils.cli import main
+from cel_utils.models.heads import HeadId
+from cel_utils.models.loading import LoadedModel
+from cel_utils.models.plumbing import head_geometry
+from cel_utils.models.random_models import FAMILIES
+from cel_utils.pipeline.artifacts import SCHEMA_VERSION, write_json
+from cel_utils.pipeline.export import (
+    export_ablated,
+    hooked_logits,
+    logits_in_clean_process,
+    projection_has_bias,
+    verify_export,
+)
 
 HEADS = [HeadId(0, 1), HeadId(2, 3)]
 
@@ -19,7 +26,7 @@ def biased_llama(tokenizer):
     """A tiny Llama whose o_proj has a bias (attention_bias=True): the bias must survive the export."""
     from transformers import AutoModelForCausalLM
 
-    from cel_utils.random_models import random_config
+    from cel_utils.models.random_models import random_config
 
     config = random_config("llama", "tiny", vocab_size=len(tokenizer))
     config.attention_bias = True

@@ -2,12 +2,12 @@
 import pytest
 import torch
 
-from cel_utils import generation
-from cel_utils.ablation import head_mask
-from cel_utils.generation import cut_completion, generate, shared_prefix_length
-from cel_utils.heads import HeadId
-from cel_utils.prompts import build_gen_requests
-from cel_utils.splits import load_task_data
+from cel_utils.evaluation import generation
+from cel_utils.evaluation.generation import cut_completion, generate, shared_prefix_length
+from cel_utils.models.ablation import head_mask
+from cel_utils.models.heads import HeadId
+from cel_utils.tasks.prompts import build_gen_requests
+from cel_utils.tasks.splits import load_task_data
 
 
 def test_shared_prefix_length_leaves_each_row_a_token():

@@ -7,9 +7,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from cel_utils import grid
-from cel_utils.__main__ import main
-from cel_utils.book import BookPaths, toc_dict
+from cel_utils import config, grid
+from cel_utils.book.build import BookPaths, toc_dict
+from cel_utils.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 MIRROR = Path(os.environ.get("CEL_DATA_DIR") or REPO.parent / "shared" / "data")
@@ -17,25 +17,31 @@ DATA_DIR = str(MIRROR) if MIRROR.is_dir() else None
 GOOD, BAD = "random:llama:tiny", "random:nosuch:tiny"  # the second fails when run_cel loads the model
 
 
-def test_presets_cover_every_task_family():
-    for name, table in grid.PRESETS.items():
-        assert set(table) == set(grid.DEFAULT_TASKS), name
-    paper = grid.PRESETS["paper"]
-    assert all(row.n_discovery is None and row.n_holdout is None and (row.p, row.k) == (10, 3) for row in paper.values())
-    assert grid.preset_for("cpu", "arithmetic_2da") == grid.PRESETS["cpu"]["arithmetic"]
-    assert grid.resolve_preset("auto") in ("cpu", "paper")
+def test_presets_are_partial_configurations_of_known_settings():
+    names = set(config.field_names())
+    for preset, table in config.PRESETS.items():
+        assert set(table) <= {"*", *config.TASK_FAMILIES}, preset
+        for row in table.values():
+            assert set(row) <= names, (preset, row)
+    paper = config.RunConfig.from_dict({"task": "boolq", "preset": "paper"})
+    assert (paper.n_discovery, paper.n_holdout, paper.p, paper.k, paper.preset) == (None, None, 10, 3, "paper")
+    cpu = config.RunConfig.from_dict({"task": "arithmetic_2da", "preset": "cpu", "p": 4})
+    assert cpu.n_discovery == config.PRESETS["cpu"]["arithmetic"]["n_discovery"] and cpu.p == 4  # given beats preset
+    assert config.resolve_preset("auto") in ("cpu", "paper")
     with pytest.raises(ValueError, match="unknown preset"):
-        grid.resolve_preset("huge")
+        config.resolve_preset("huge")
+    with pytest.raises(ValueError, match=r"unknown run setting\(s\) \['n_discovry'\]"):
+        config.RunConfig.from_dict({"n_discovry": 5})
 
 
 def test_each_preset_has_default_tasks_one_per_family_that_plan_accepts(tmp_path):
-    assert set(grid.PRESET_TASKS) == set(grid.PRESETS)
-    for name in grid.PRESETS:
-        tasks = grid.default_tasks(name)
-        assert sorted(map(grid.task_family, tasks)) == sorted(grid.DEFAULT_TASKS), name
+    assert set(config.PRESET_TASKS) == set(config.PRESETS)
+    for name in config.PRESETS:
+        tasks = config.default_tasks(name)
+        assert sorted(map(config.task_family, tasks)) == sorted(config.TASK_FAMILIES), name
         cells = grid.plan([GOOD], tasks, [0], name, runs_dir=tmp_path / "runs", results_dir=tmp_path / "results")
         assert [c.parameters["task"] for c in cells] == list(tasks)
-    assert grid.default_tasks("cpu")[0] == "arithmetic_1dc" and grid.default_tasks("paper")[0] == "arithmetic"
+    assert config.default_tasks("cpu")[0] == "arithmetic_1dc" and config.default_tasks("paper")[0] == "arithmetic"
 
 
 def test_plan_applies_preset_and_overrides_and_validates_first(tmp_path):
@@ -43,9 +49,10 @@ def test_plan_applies_preset_and_overrides_and_validates_first(tmp_path):
                       results_dir=tmp_path / "results", engine="naive", n_holdout=7)
     assert [c.name for c in cells] == ["random-llama-tiny__arithmetic_2da__seed0", "random-llama-tiny__arithmetic_2da__seed1",
                                        "random-llama-tiny__boolq__seed0", "random-llama-tiny__boolq__seed1"]
-    first = cells[0].parameters
-    assert first["n_discovery"] == grid.PRESETS["cpu"]["arithmetic"].n_discovery and first["n_holdout"] == 7
-    assert first["engine"] == "naive" and Path(first["results_dir"]).is_absolute()
+    first = cells[0].config()
+    assert first.n_discovery == config.PRESETS["cpu"]["arithmetic"]["n_discovery"] and first.n_holdout == 7
+    assert first.engine == "naive" and Path(first.results_dir).is_absolute() and first.preset == "cpu"
+    assert cells[0].parameters["config"] == {"engine": "naive", "n_holdout": 7, "results_dir": first.results_dir}
     assert cells[0].page == tmp_path / "runs" / "random-llama-tiny__arithmetic_2da__seed0.ipynb"
     with pytest.raises(ValueError, match=r"grid cell \(m, nosuchtask, seed 0\): unknown task"):
         grid.plan(["m"], ["nosuchtask"], [0], "cpu", results_dir=tmp_path / "results")
@@ -81,7 +88,7 @@ def test_submitit_grid_reports_the_failed_cell_and_finishes_the_other(ran_grid):
     assert (results_dir / "failed" / "random-nosuch-tiny__arithmetic_2da__seed0.ipynb").exists()
     assert not list((results_dir / ".running").glob("*"))
     page = nbformat.read(runs / "random-llama-tiny__arithmetic_2da__seed0.ipynb", as_version=4)
-    assert page.cells[0].source.startswith("# CEL run: random:llama:tiny on arithmetic_2da")
+    assert page.cells[0].source.startswith("# CEL run: random-llama-tiny on arithmetic_2da (seed 0)")
 
     toc = toc_dict(BookPaths(root=root))
     run_part = next(p for p in toc["parts"] if p["caption"] == "Runs")
@@ -92,7 +99,7 @@ def test_skip_existing_reuses_an_up_to_date_cell(ran_grid):
     root, cells, _, _ = ran_grid
     good = next(c for c in cells if c.parameters["model"] == GOOD)
     assert grid.run_cell(good, skip_existing=True).status == "skipped"
-    assert grid.up_to_date(grid.with_overrides(good, n_holdout=9)) is None  # other sizes: run again
+    assert grid.up_to_date(grid.with_settings(good, n_holdout=9)) is None  # other sizes: run again
 
 
 def test_a_failure_after_the_artifact_was_written_leaves_nothing_in_the_book(tmp_path):

@@ -1,6 +1,6 @@
 import pytest
 
-from cel_utils.heads import HeadGeometry, HeadId, format_heads, head_set, parse_head
+from cel_utils.models.heads import HeadGeometry, HeadId, format_heads, head_set, parse_head
 
 
 def test_printable_form_round_trips():

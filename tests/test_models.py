@@ -3,8 +3,10 @@ import shutil
 
 import pytest
 
-from cel_utils import models
-from cel_utils.models import ARCHITECTURES, display_name, embedded_gguf, load_model
+from cel_utils.models import loading as models
+from cel_utils.models.loading import display_name, embedded_gguf, load_model
+from cel_utils.models.plumbing import ARCHITECTURES
+from cel_utils.paths import cache_dir
 
 
 def test_embedded_gguf_is_found_without_importing_the_package():
@@ -23,10 +25,10 @@ def test_cache_entry_follows_the_source_file(tmp_path, monkeypatch):
                         lambda p: made.append(models.file_sha256(p)) or tmp_path)
     copy = tmp_path / "m.gguf"
     shutil.copy(embedded_gguf(), copy)
-    models._locate(str(copy))
+    models.locate(str(copy))
     with copy.open("ab") as handle:
         handle.write(b"\0")
-    models._locate(str(copy))
+    models.locate(str(copy))
     assert len(made) == 2 and made[0] != made[1]
 
 
@@ -35,7 +37,7 @@ def test_default_model_loads_from_the_cache(default_model):
     assert lm.geometry.n_layers == 30 and lm.geometry.n_heads == 9 and lm.geometry.n_kv_heads == 3
     assert lm.geometry.head_dim == 64 and lm.model.config.model_type == "llama"
     assert lm.source["kind"] == "embedded-gguf" and len(lm.source["sha256"]) == 64
-    cached = models.cache_dir() / "models"
+    cached = cache_dir() / "models"
     assert any(p.name.startswith("SmolLM2-135M-Instruct.Q4_1-") for p in cached.iterdir())
     assert not lm.model.training and not any(p.requires_grad for p in lm.model.parameters())
 

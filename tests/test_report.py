@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import yaml
 
-from cel_utils import report
-from cel_utils.artifacts import SCHEMA_VERSION, load_artifacts, write_json
-from cel_utils.book import BookPaths, run_title, toc_dict
+from cel_utils.book import results_page, run_page, strategies_page, text
+from cel_utils.book.build import BookPaths, toc_dict
+from cel_utils.book.titles import run_title
+from cel_utils.pipeline.artifacts import SCHEMA_VERSION, load_artifacts, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,7 +50,7 @@ def make_artifact(model="tiny-model", task="arithmetic_2da", seed=0, full=0.5, a
 
 def test_cell_text_from_a_hand_made_artifact(tmp_path):
     write_json(tmp_path / "tiny-model__arithmetic_2da__seed0.json", make_artifact(full=0.50, ablated=0.75))
-    table = report.summarize(load_artifacts(tmp_path))
+    table = results_page.summarize(load_artifacts(tmp_path))
     assert len(table) == 1
     assert table.holdout[0] == "50.0 -> 75.0 (+25.0)"
     assert table.rel_error_reduction[0] == "50.0%"  # 25 / (100 - 50)
@@ -58,14 +59,14 @@ def test_cell_text_from_a_hand_made_artifact(tmp_path):
 
 
 def test_numbers_as_text():
-    assert report.transition_text(0.704, 0.835) == "70.4 -> 83.5 (+13.1)"
-    assert report.transition_text(0.5, 0.25) == "50.0 -> 25.0 (-25.0)"
+    assert text.transition_text(0.704, 0.835) == "70.4 -> 83.5 (+13.1)"
+    assert text.transition_text(0.5, 0.25) == "50.0 -> 25.0 (-25.0)"
     # 32/80 - 35/80 is -0.0374999... in floats; the printed gain must match the printed accuracies
-    assert report.transition_text(35 / 80, 32 / 80, 100 * (32 / 80 - 35 / 80)) == "43.8 -> 40.0 (-3.8)"
-    assert report.rer_text(100 * 13.1 / 29.6) == "44.3%"
-    assert report.rer_text(float("nan")) == "n/a"
-    assert report.provenance_text({"source": "mirror", "fallback": "no train"}).startswith("mirror (no train split")
-    assert report.provenance_text({"source": "generated"}) == "generated"
+    assert text.transition_text(35 / 80, 32 / 80, 100 * (32 / 80 - 35 / 80)) == "43.8 -> 40.0 (-3.8)"
+    assert text.rer_text(100 * 13.1 / 29.6) == "44.3%"
+    assert text.rer_text(float("nan")) == "n/a"
+    assert text.provenance_text({"source": "mirror", "fallback": "no train"}).startswith("mirror (no train split")
+    assert text.provenance_text({"source": "generated"}) == "generated"
 
 
 def test_results_page_links_runs_that_have_a_page(tmp_path):
@@ -76,7 +77,7 @@ def test_results_page_links_runs_that_have_a_page(tmp_path):
                                                  data={"source": "mirror", "fallback": "no train split",
                                                        "n_discovery": 4, "n_holdout": 8}))
     (runs / "tiny-model__arithmetic_2da__seed0.ipynb").write_text("{}")  # only this run has a page
-    page = report.write_results_page(results, tmp_path / "book" / "results.md", runs, REPO / "data" / "paper_table1.csv")
+    page = results_page.write_results_page(results, tmp_path / "book" / "results.md", runs, REPO / "data" / "paper_table1.csv")
     text = page.read_text()
     assert "| arithmetic_2da (acc) | [50.0 -> 75.0 (+25.0)](runs/tiny-model__arithmetic_2da__seed0.ipynb), 50.0% |" in text
     assert "| boolq (acc) | 60.0 -> 55.0 (-5.0), -12.5% |" in text  # no page: no link
@@ -87,14 +88,14 @@ def test_results_page_links_runs_that_have_a_page(tmp_path):
 
 
 def test_results_page_without_runs(tmp_path):
-    page = report.write_results_page(tmp_path / "missing", tmp_path / "results.md")
+    page = results_page.write_results_page(tmp_path / "missing", tmp_path / "results.md")
     assert "No runs yet" in page.read_text()
 
 
 def test_paper_table_holds_one_transcribed_figure_and_marks_the_rest():
     rows = list(csv.DictReader(open(REPO / "data" / "paper_table1.csv", newline="")))
     cells = {(r["model"], r["task"]) for r in rows}
-    assert cells == {(m, t) for m in report.PAPER_MODELS for t in report.TASK_ORDER}
+    assert cells == {(m, t) for m in results_page.PAPER_MODELS for t in results_page.TASK_ORDER}
     transcribed = [r for r in rows if r["status"] == "transcribed"]
     assert [(r["model"], r["task"]) for r in transcribed] == [("SmolLM3-3B", "arithmetic")]
     row = transcribed[0]
@@ -104,21 +105,21 @@ def test_paper_table_holds_one_transcribed_figure_and_marks_the_rest():
     for r in rows:
         if r["status"] != "transcribed":
             assert r["status"] == "not transcribed" and not r["full_accuracy"] and not r["ablated_accuracy"]
-            assert report.paper_cell(r) == "not transcribed"
+            assert results_page.paper_cell(r) == "not transcribed"
 
 
 def test_run_tables_from_an_artifact():
     art = make_artifact()
-    pool = report.pool_table(art)
+    pool = run_page.pool_table(art)
     assert list(pool["head"]) == ["L1.H2", "L0.H0"] and list(pool.index) == [1, 2]
-    top = report.stage2_table(art, top=2)
+    top = run_page.stage2_table(art, top=2)
     assert list(top["heads"]) == ["L0.H0+L1.H2", "L1.H2"]
-    hold = report.holdout_table(art)
+    hold = run_page.holdout_table(art)
     assert hold.loc["acc (primary)", "gain (points)"] == 25.0
     assert hold.loc["acc (primary)", "rel. error reduction"] == "50.0%"
-    assert "50.0 -> 75.0 (+25.0)" in report.holdout_sentence(art)
-    assert report.selection_note(art) == ""  # a strict winner with a positive discovery gain
-    overview = report.run_overview(art)
+    assert "50.0 -> 75.0 (+25.0)" in run_page.holdout_sentence(art)
+    assert run_page.selection_note(art) == ""  # a strict winner with a positive discovery gain
+    overview = run_page.run_overview(art)
     assert overview.loc["frozen heads"].iloc[0] == "L0.H0+L1.H2"
 
 
@@ -126,24 +127,24 @@ def test_selection_note_flags_ties_and_searches_that_found_nothing():
     art = make_artifact()
     tie = dict(art["stage2"][0], heads=["L0.H1", "L1.H2"])  # same counts as the frozen pair
     art["stage2"].append(tie)
-    note = report.selection_note(art)
+    note = run_page.selection_note(art)
     assert "2 of the 8 evaluated sets tie" in note and "found nothing" not in note
-    assert report._reliability_columns(art)["curse_text"].endswith(", 2 sets tied")  # the results page's column
+    assert results_page._reliability_columns(art)["curse_text"].endswith(", 2 sets tied")  # the results page's column
     # Nothing helps: every single head scores like the full model (MBPP on 2 items), the first one is frozen.
     flat = {"accuracy": 0.5, "gain_points": 0.0, "n_correct": 2, "harm": 0, "help": 0}
     art["stage1"] = [dict(flat, heads=[h]) for h in ("L0.H0", "L0.H1", "L0.H2")]
     art["stage2"] = [dict(flat, heads=["L0.H0", "L0.H1"])] + art["stage1"][:2]
     art["frozen"] = {"heads": ["L0.H0"], "label": "L0.H0", "discovery": art["stage1"][0]}
-    note = report.selection_note(art)
+    note = run_page.selection_note(art)
     assert "gain is +0.0 points), so the search found nothing" in note and "4 of the 4 evaluated sets tie" in note
-    assert report.holdout_sentence(art).endswith(note)
+    assert run_page.holdout_sentence(art).endswith(note)
 
 
 def test_heatmap_puts_each_gain_in_its_cell():
     import matplotlib
 
     matplotlib.use("Agg")
-    from cel_utils import plots
+    from cel_utils.book import plots
 
     art = make_artifact()
     gains = plots.stage1_gains(art)
@@ -159,20 +160,24 @@ def test_heatmap_puts_each_gain_in_its_cell():
     plt.close(fig)
 
 
-def _fake_run(kind: str, predictions_full, predictions_ablated, docs, task):
+def _flip_table(predictions_full, predictions_ablated, docs, task):
+    """The page's flip table for two items that the ablation flipped, one each way (stored predictions, no model)."""
+    from cel_utils.pipeline.examples import flip_examples
+
     full = SimpleNamespace(correct=np.array([False, True]), predictions=predictions_full)
     ablated = SimpleNamespace(correct=np.array([True, False]), predictions=predictions_ablated)
     items = [SimpleNamespace(id=f"item{i}", doc=doc) for i, doc in enumerate(docs)]
-    return SimpleNamespace(data=SimpleNamespace(task=task, holdout=items, fewshot=[]),
-                           holdout=SimpleNamespace(full=full, ablated=ablated, heads=()))
+    data = SimpleNamespace(task=task, holdout=items, fewshot=[])
+    examples = flip_examples(None, data, SimpleNamespace(full=full, ablated=ablated, heads=()))
+    return run_page.flip_table({"holdout": {"examples": examples}})
 
 
 def test_flip_examples_show_choices_and_code():
-    from cel_utils.tasks import get_task
+    from cel_utils.tasks.specs import get_task
 
     boolq = get_task("boolq")
     docs = [{"question": "is it", "passage": "P", "answer": True}, {"question": "is it not", "passage": "Q", "answer": False}]
-    table = report.flip_examples(_fake_run("choice", [0, 0], [1, 1], docs, boolq))
+    table = _flip_table([0, 0], [1, 1], docs, boolq)
     assert list(table["flip"]) == ["wrong -> right", "right -> wrong"]
     assert list(table["full model"]) == ["[0] no", "[0] no"] and list(table["ablated model"]) == ["[1] yes", "[1] yes"]
     assert list(table["gold"]) == ["[1] yes", "[0] no"]
@@ -181,10 +186,10 @@ def test_flip_examples_show_choices_and_code():
     docs = [{"text": "t", "code": "def f(): pass", "test_list": ["assert f() is None"], "test_setup_code": "", "task_id": 1}] * 2
     preds_full = [{"completion": "def f(): return 1", "status": "failed"}, {"completion": "def f(): pass", "status": "passed"}]
     preds_ablated = [{"completion": "def f(): pass", "status": "passed"}, {"completion": "oops", "status": "error"}]
-    table = report.flip_examples(_fake_run("generate", preds_full, preds_ablated, docs, mbpp))
+    table = _flip_table(preds_full, preds_ablated, docs, mbpp)
     assert table["full model"][0] == "[failed]\ndef f(): return 1"
     assert table["ablated model"][1] == "[error]\noops"
-    html = report.show_flips(table).to_html()
+    html = run_page.show_flips(table).to_html()
     assert "white-space: pre-wrap" in html
 
 
@@ -221,7 +226,7 @@ def test_run_title():
 
 def test_nan_relative_error_reduction_when_the_full_model_is_perfect(tmp_path):
     write_json(tmp_path / "x.json", make_artifact(full=1.0, ablated=1.0))
-    table = report.summarize(load_artifacts(tmp_path))
+    table = results_page.summarize(load_artifacts(tmp_path))
     assert table.rel_error_reduction[0] == "n/a" and table.holdout[0] == "100.0 -> 100.0 (+0.0)"
     assert math.isnan(make_artifact(full=1.0, ablated=1.0)["holdout"]["relative_error_reduction"])
 
@@ -230,7 +235,7 @@ def test_nan_relative_error_reduction_when_the_full_model_is_perfect(tmp_path):
 def test_a_broken_artifact_is_an_error_not_a_silent_gap(tmp_path, bad):
     (tmp_path / "x.json").write_text(bad)
     with pytest.raises(ValueError):
-        report.write_results_page(tmp_path, tmp_path / "results.md")
+        results_page.write_results_page(tmp_path, tmp_path / "results.md")
 
 
 def test_strategies_table_shows_signed_gains_and_cost_relative_to_the_paper():
@@ -238,7 +243,7 @@ def test_strategies_table_shows_signed_gains_and_cost_relative_to_the_paper():
            "holdout_p_value": 0.25, "evaluations": 281, "forward_equivalents": 1204.0}
     payload = {"strategies": [dict(row, strategy="exhaustive (paper)"),
                               dict(row, strategy="greedy", discovery_gain_points=0.0, forward_equivalents=3010.0)]}
-    table = report.strategies_table(payload)
+    table = strategies_page.strategies_table(payload)
     assert list(table["discovery gain"]) == ["+12.5", "+0.0"] and list(table["holdout gain"]) == ["-3.8", "-3.8"]
     assert list(table["holdout 95% CI"]) == ["[-8.8, +0.0]"] * 2
     assert list(table["cost vs exhaustive"]) == ["1.00x", "2.50x"]

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from cel_utils.models import cache_dir
+from cel_utils.paths import cache_dir
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = REPO / "tests" / "resume_child.py"  # a small run_cel on a tiny random model (hellaswag, 12 + 10 items)

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from cel_utils import sandbox
-from cel_utils.sandbox import ExecCache, ExecResult, check_mbpp, run_many, run_program
+from cel_utils.evaluation import sandbox
+from cel_utils.evaluation.sandbox import ExecCache, ExecResult, check_mbpp, run_many, run_program
 
 T = 2.0  # seconds; short so the whole file stays fast on two cores
 IS_ROOT = os.geteuid() == 0

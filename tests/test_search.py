@@ -4,13 +4,11 @@ import math
 
 import numpy as np
 import pytest
+from fakes import XorEvaluator
 
-from cel_utils.heads import HeadId, head_set
-from cel_utils.search import Score, evaluate_holdout, n_stage2, rank, rank_key, run_search
-
-from fakes import GEOMETRY, XorEvaluator
-
-
+from cel_utils.models.heads import HeadId, head_set
+from cel_utils.search.algorithm import evaluate_holdout, run_search
+from cel_utils.search.ranking import Score, n_stage2, rank, rank_key
 
 
 def _flip(*items, n=10):
@@ -33,7 +31,7 @@ def test_ranking_key_order():
     assert rank_key(b) < rank_key(a)
 
 
-def test_search_finds_the_planted_pair_and_never_sees_the_holdout():
+def test_search_finds_the_planted_pair_and_the_holdout_scores_it_once():
     base = np.array([1, 1, 1, 0, 0, 0, 0, 0, 1, 1], bool)
     flips = {
         HeadId(1, 1): _flip(3, 4, 0),  # +2 -1 alone
@@ -44,7 +42,6 @@ def test_search_finds_the_planted_pair_and_never_sees_the_holdout():
     discovery = XorEvaluator(base, flips)
     holdout = XorEvaluator(base, flips)
     result = run_search(discovery, p=3, k=2)
-    assert holdout.calls == []
     assert [s.heads for s in result.stage1[:3]] == [(HeadId(2, 0),), (HeadId(3, 2),), (HeadId(1, 1),)]
     assert result.pool == [(HeadId(2, 0),), (HeadId(3, 2),), (HeadId(1, 1),)]
     assert result.frozen == (HeadId(2, 0), HeadId(3, 2))  # +5, no harm
@@ -74,3 +71,33 @@ def test_a_single_head_wins_when_no_subset_beats_it():
 def test_bad_search_parameters(p, k, message):
     with pytest.raises(ValueError, match=message):
         run_search(XorEvaluator(np.zeros(4, bool), {}), p=p, k=k)
+
+
+def test_the_protocol_evaluates_the_holdout_only_after_the_search_froze_its_set(tiny_models, data_dir, tmp_path,
+                                                                                monkeypatch):
+    """The holdout cannot leak into the selection: run_cel builds both evaluators up front (so bad items fail early),
+    but no holdout item is scored until Algorithm 1 has returned its frozen set."""
+    from cel_utils.config import RunConfig
+    from cel_utils.pipeline import protocol
+
+    log, real_make, real_search = [], protocol.make_evaluator, protocol.run_search
+
+    def make_evaluator(lm, data, items, *args, **kwargs):
+        evaluator = real_make(lm, data, items, *args, **kwargs)
+        name = "holdout" if items is data.holdout else "discovery"
+        real_evaluate = evaluator.evaluate
+        evaluator.evaluate = lambda *a, **k: log.append(name) or real_evaluate(*a, **k)
+        return evaluator
+
+    def run_search(*args, **kwargs):
+        result = real_search(*args, **kwargs)
+        log.append("frozen")
+        return result
+
+    monkeypatch.setattr(protocol, "make_evaluator", make_evaluator)
+    monkeypatch.setattr(protocol, "run_search", run_search)
+    config = RunConfig(model="random:llama:tiny", task="boolq", n_discovery=4, n_holdout=4, p=2, k=2, n_random_sets=2,
+                       n_resamples=0, cache=False, data_dir=data_dir, results_dir=str(tmp_path))
+    protocol.run_cel(config, lm=tiny_models["llama"], progress=False)
+    assert "discovery" in log and "holdout" in log
+    assert "holdout" not in log[:log.index("frozen")]

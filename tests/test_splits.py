@@ -3,9 +3,9 @@ import re
 
 import pytest
 
-from cel_utils.arithmetic_gen import ARITHMETIC_CONFIGS, generate_arithmetic
-from cel_utils.splits import check_disjoint, content_key, load_task_data
-from cel_utils.tasks import Item, get_task
+from cel_utils.tasks.arithmetic_gen import ARITHMETIC_CONFIGS, generate_arithmetic
+from cel_utils.tasks.specs import Item, get_task
+from cel_utils.tasks.splits import check_disjoint, content_key, load_task_data
 
 
 def _keys(task, items):

@@ -6,17 +6,24 @@ import math
 
 import numpy as np
 import pytest
+from fakes import GEOMETRY, XorEvaluator
 from scipy import stats as scipy_stats
 
-from cel_utils.heads import HeadId, format_heads, head_set
-from cel_utils.outcomes import OutcomeTable, Resampled, take
-from cel_utils.reliability import assess_run, resample_indices, resampled_searches
-from cel_utils.scoring import Outcome
-from cel_utils.search import evaluate_holdout, run_search
-from cel_utils.stats import (jaccard, mean_pairwise_jaccard, mcnemar_exact, null_position, paired_bootstrap_ci,
-                             paired_test, random_head_sets, selection_frequencies)
-
-from fakes import GEOMETRY, XorEvaluator
+from cel_utils.evaluation.outcomes import OutcomeTable, Resampled, take
+from cel_utils.models.heads import HeadId, format_heads, head_set
+from cel_utils.search.algorithm import evaluate_holdout, run_search
+from cel_utils.stats.reliability import assess_run, resample_indices, resampled_searches
+from cel_utils.stats.significance import (
+    jaccard,
+    mcnemar_exact,
+    mean_pairwise_jaccard,
+    null_position,
+    paired_bootstrap_ci,
+    paired_test,
+    random_head_sets,
+    selection_frequencies,
+)
+from cel_utils.tasks.scoring import Outcome
 
 
 def random_flips(n_items, seed, rate=0.15):
@@ -184,14 +191,14 @@ def test_take_keeps_every_field():
 def test_results_page_shows_interval_p_value_null_and_stability(tmp_path):
     from test_report import make_artifact
 
-    from cel_utils import report
-    from cel_utils.artifacts import write_json
+    from cel_utils.book import results_page, run_page
+    from cel_utils.pipeline.artifacts import write_json
 
     old = make_artifact(full=0.5, ablated=0.75, n_items=8)  # written before the reliability section existed
     old["holdout"]["full_correct"] = [1, 1, 1, 1, 0, 0, 0, 0]
     old["holdout"]["ablated_correct"] = [1, 1, 1, 1, 1, 1, 0, 0]
     write_json(tmp_path / "results" / "old.json", old)
-    sig = report.significance(old)  # recomputed from the stored vectors, with the run's seed
+    sig = run_page.significance(old)  # recomputed from the stored vectors, with the run's seed
     assert sig["help"] == 2 and sig["harm"] == 0 and sig["p_value"] == pytest.approx(0.5)
     assert sig == paired_test(old["holdout"]["full_correct"], old["holdout"]["ablated_correct"], seed=[0, 101]).to_json()
 
@@ -209,24 +216,24 @@ def test_results_page_shows_interval_p_value_null_and_stability(tmp_path):
                       "holdout_gain_quantiles": {"min": 12.5, "q25": 21.9, "median": 25.0, "q75": 25.0, "max": 25.0},
                       "mean_gap_points": 28.1, "distinct_selections": 2}}
     write_json(tmp_path / "results" / "new.json", new)
-    page = report.write_results_page(tmp_path / "results", tmp_path / "results.md").read_text()
+    page = results_page.write_results_page(tmp_path / "results", tmp_path / "results.md").read_text()
     assert "| boolq (acc) | 50.0 -> 75.0 (+25.0), 50.0%, 95% CI [-2.5, +50.0], p = 0.012 |" in page
     assert "## Is the gain real?" in page and "100th pct of 4 (p = 0.20)" in page and "+50.0 -> +25.0" in page
     assert "75% of 4, Jaccard 0.75, holdout gains +12.5 .. +25.0" in page
     assert "p = 0.50" in page  # the old artifact: recomputed
 
-    assert "exact McNemar p = 0.012" in report.reliability_sentence(new)
-    assert "100th percentile" in report.reliability_sentence(new)
-    table = report.stability_table(new)
+    assert "exact McNemar p = 0.012" in run_page.reliability_sentence(new)
+    assert "100th percentile" in run_page.reliability_sentence(new)
+    table = run_page.stability_table(new)
     assert list(table.index) == ["L0.H0+L1.H2 (frozen)", "L1.H2"] and list(table["holdout gain (points)"]) == [25.0, 12.5]
-    assert report.reliability_table(new).loc["exact McNemar p (two-sided)"].iloc[0] == "0.012"
+    assert run_page.reliability_table(new).loc["exact McNemar p (two-sided)"].iloc[0] == "0.012"
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from cel_utils import plots
+    from cel_utils.book import plots
 
     for figure in (plots.null_histogram(new), plots.stability_figure(new), plots.null_histogram(old),
                    plots.stability_figure(old)):
@@ -235,9 +242,9 @@ def test_results_page_shows_interval_p_value_null_and_stability(tmp_path):
 
 @pytest.mark.parametrize("bad, message", [({"n_random_sets": -1}, "n_random_sets must be a non-negative integer"),
                                           ({"n_resamples": 2.5}, "n_resamples must be a non-negative integer"),
-                                          ({"resample": "jackknife"}, "unknown resampling method")])
+                                          ({"resample": "jackknife"}, "unknown resample 'jackknife': choose from bootstrap, halves")])
 def test_run_config_checks_the_new_parameters(tmp_path, bad, message):
-    from cel_utils.protocol import RunConfig
+    from cel_utils.config import RunConfig
 
     with pytest.raises(ValueError, match=message):
         RunConfig(results_dir=str(tmp_path), **bad).validate()

@@ -5,13 +5,13 @@ import warnings
 import numpy as np
 import pytest
 
-import cel_utils.engine as engine_module
-from cel_utils.engine import EngineEvaluator
-from cel_utils.evaluation import NaiveEvaluator
-from cel_utils.heads import HeadId
-from cel_utils.scoring import ContinuationStats
-from cel_utils.splits import load_task_data
-from cel_utils.store import MAGIC, EvalStore
+import cel_utils.evaluation.engine as engine_module
+from cel_utils.evaluation.engine import EngineEvaluator
+from cel_utils.evaluation.evaluator import NaiveEvaluator
+from cel_utils.evaluation.store import EvalStore
+from cel_utils.models.heads import HeadId
+from cel_utils.tasks.scoring import ContinuationStats
+from cel_utils.tasks.splits import load_task_data
 
 
 def _stats(seed: int, counts) -> list[ContinuationStats]:
@@ -177,9 +177,12 @@ def test_naive_evaluator_stores_one_record_per_intervention(tiny_models, hellasw
 
 
 def test_generation_stores_completions(tiny_models, data_dir, tmp_path, monkeypatch):
-    import cel_utils.generation as generation
+    import dataclasses
 
-    monkeypatch.setattr(generation, "score_generations", lambda requests, completions, **kw: completions)
+    from cel_utils.evaluation import generation, kinds
+
+    completions_only = dataclasses.replace(kinds.KINDS["generate"], decide=lambda task, requests, completions, **kw: completions)
+    monkeypatch.setitem(kinds.KINDS, "generate", completions_only)  # compare the texts, not the sandbox's verdicts
     lm = tiny_models["llama"]
     data = load_task_data("mbpp", 2, 2, seed=0, num_fewshot=0, data_dir=data_dir)
     store = EvalStore(tmp_path)

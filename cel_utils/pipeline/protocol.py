@@ -1,0 +1,143 @@
+"""One CEL run end to end: validate parameters, load model and data, search on discovery, evaluate the
+frozen set on the holdout, and write the JSON artifact. The per-run notebook calls this; so can scripts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from cel_utils.config import RunConfig
+from cel_utils.evaluation.evaluator import Evaluator, NaiveEvaluator
+from cel_utils.evaluation.outcomes import OutcomeTable
+from cel_utils.evaluation.store import EvalStore
+from cel_utils.models.heads import HeadGeometry, format_heads
+from cel_utils.models.loading import LoadedModel, load_model, resolve_dtype
+from cel_utils.pipeline.artifacts import SCHEMA_VERSION, library_versions, run_info_path, utc_now, write_json
+from cel_utils.pipeline.examples import flip_examples
+from cel_utils.search.algorithm import HoldoutResult, SearchResult, check_search_params, evaluate_holdout, run_search
+from cel_utils.stats.reliability import assess_run
+from cel_utils.tasks.splits import TaskData, load_task_data
+
+
+@dataclass
+class CelRun:
+    config: RunConfig
+    lm: LoadedModel
+    data: TaskData
+    search: SearchResult
+    holdout: HoldoutResult
+    artifact: Path
+    timings: dict = field(default_factory=dict)
+
+
+def lower_precision(lm: LoadedModel, dtype: str) -> LoadedModel:
+    """A copy of the model in another dtype, for the screening pass of the fast mode."""
+    import copy
+
+    target = resolve_dtype(dtype, lm.device)
+    return dataclasses.replace(lm, model=copy.deepcopy(lm.model).to(target), dtype=target)
+
+
+def make_evaluator(lm: LoadedModel, data: TaskData, items, config: RunConfig, progress: bool = True,
+                   store: EvalStore | None = None) -> Evaluator:
+    """An evaluator of ``items`` as ``config`` says; with ``config.cache`` it reads and writes ``store``
+    (default: the store under $CEL_CACHE_DIR)."""
+    if config.cache and store is None:
+        store = EvalStore()
+    kwargs = dict(fmt=config.fmt, batch_size=config.batch_size, max_new_tokens=config.max_new_tokens, progress=progress,
+                  store=store if config.cache else None)
+    if config.engine == "fast":
+        from cel_utils.evaluation.engine import EngineEvaluator
+
+        return EngineEvaluator(lm, data.task, items, data.fewshot, **kwargs)
+    return NaiveEvaluator(lm, data.task, items, data.fewshot, **kwargs)
+
+
+def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool = True) -> CelRun:
+    config.validate()
+    timings = {}
+    start = time.perf_counter()
+    data = load_task_data(config.task, config.n_discovery, config.n_holdout, seed=config.seed,
+                          num_fewshot=config.num_fewshot, data_dir=config.data_dir)
+    timings["data_s"] = time.perf_counter() - start
+    if lm is None:
+        start = time.perf_counter()
+        lm = load_model(config.model, device=config.device, dtype=config.dtype)
+        timings["model_load_s"] = time.perf_counter() - start
+    check_search_params(config.p, config.k, lm.geometry.n_total)
+    store = EvalStore() if config.cache else None
+
+    start = time.perf_counter()
+    # Every evaluator is built (its items tokenized) before the search: a bad item fails now, not hours later.
+    holdout_evaluator = make_evaluator(lm, data, data.holdout, config, progress, store)
+    # The table keeps every per-item outcome of the search, which the stability analysis resamples.
+    discovery = OutcomeTable(make_evaluator(lm, data, data.discovery, config, progress, store))
+    screen = None
+    if config.screen_dtype:
+        screen = make_evaluator(lower_precision(lm, config.screen_dtype), data, data.discovery, config, progress, store)
+    search = run_search(discovery, p=config.p, k=config.k, screen=screen, rescore=config.rescore_factor * config.p)
+    timings.update(search.timings)
+    timings["search_s"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    holdout = evaluate_holdout(holdout_evaluator, search.frozen)
+    examples = flip_examples(lm, data, holdout, fmt=config.fmt, batch_size=config.batch_size)
+    timings["holdout_s"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    reliability = assess_run(search, holdout, discovery, holdout_evaluator, n_random_sets=config.n_random_sets,
+                             n_resamples=config.n_resamples, resample=config.resample, seed=config.seed)
+    timings["reliability_s"] = time.perf_counter() - start
+    timings.update(reliability.pop("timings", None) or {})  # volatile: to the run info, not the artifact
+
+    payload = build_artifact(config, lm, data, search, holdout, reliability, examples)
+    # What differs between two runs of the same parameters goes beside the artifact, so that the artifact
+    # itself is the same bytes every time (and after a resumed run). Written before the artifact, so an
+    # artifact's run info is never an older run's.
+    write_json(run_info_path(config.artifact_path),
+               {"artifact": config.artifact_path.name, "created": utc_now(), "timings": timings,
+                "store": store.counts() if store else None})
+    path = write_json(config.artifact_path, payload)
+    return CelRun(config=config, lm=lm, data=data, search=search, holdout=holdout, artifact=path, timings=timings)
+
+
+def _bits(values: np.ndarray) -> list[int]:
+    return [int(v) for v in values]
+
+
+def build_artifact(config: RunConfig, lm: LoadedModel, data: TaskData, search: SearchResult, holdout: HoldoutResult,
+                   reliability: dict | None = None, examples: list[dict] | None = None) -> dict:
+    """The run's artifact: deterministic content only (creation time and timings are in the run info)."""
+    geometry: HeadGeometry = lm.geometry
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "cel-run",
+        "config": asdict(config),
+        "model": {"spec": lm.spec, "name": lm.name, "source": lm.source, "fingerprint": lm.fingerprint,
+                  "dtype": str(lm.dtype).removeprefix("torch."), "device": str(lm.device),
+                  "geometry": asdict(geometry), "model_type": lm.model.config.model_type},
+        "task": {"name": data.task.name, "kind": data.task.kind, "metric": data.task.metric,
+                 "metrics": list(data.task.all_metrics)},
+        "data": data.provenance,
+        "discovery": {"item_ids": [item.id for item in data.discovery],
+                      "full_accuracy": search.full.accuracy, "full_correct": _bits(search.full.correct),
+                      "full_metrics": search.full.metric_means()},
+        "stage1": [s.to_json() for s in search.stage1],
+        "pool": [str(heads[0]) for heads in search.pool],
+        "stage2": [s.to_json() for s in search.stage2],
+        "frozen": {"heads": [str(h) for h in search.frozen], "label": format_heads(search.frozen),
+                   "discovery": search.best.to_json()},
+        "holdout": {**holdout.summary(), "item_ids": [item.id for item in data.holdout],
+                    "full_correct": _bits(holdout.full.correct), "ablated_correct": _bits(holdout.ablated.correct),
+                    "full_metric_vectors": {k: _bits(v) for k, v in holdout.full.metrics.items()},
+                    "ablated_metric_vectors": {k: _bits(v) for k, v in holdout.ablated.metrics.items()},
+                    "full_predictions": holdout.full.predictions, "ablated_predictions": holdout.ablated.predictions,
+                    "examples": examples or []},  # cel_utils.pipeline.examples: what the run page shows
+        "n_interventions_evaluated": search.n_evaluated,
+        "reliability": reliability,  # cel_utils.stats.reliability.assess_run; None when not assessed
+        "versions": library_versions(),
+    }

@@ -1,0 +1,167 @@
+"""How far to trust one run's gain, beyond the point estimate the paper reports.
+
+:func:`assess_run` adds to a finished run (search + holdout), in this order of cost:
+
+1. **significance** (free): the exact McNemar p-value and a paired bootstrap interval of the holdout gain
+   (:func:`cel_utils.stats.paired_test`);
+2. **winner's curse** (free): discovery gain minus holdout gain of the frozen set. The search picked the best
+   of hundreds of interventions on the discovery items, so its discovery gain is biased upwards;
+3. **random-set null** (``n_random_sets`` holdout evaluations): the holdout gains of random head sets of the
+   frozen set's size, and where the frozen set's gain falls among them;
+4. **stability** (``n_resamples`` reruns of Algorithm 1): the whole selection is rerun on resampled discovery
+   sets (``bootstrap``: n items drawn with replacement; ``halves``: pairs of complementary random halves, so
+   consecutive selections come from disjoint items). Per-item outcomes on the discovery set are
+   deterministic, so a resample only indexes the vectors of the run's discovery :class:`OutcomeTable`; what
+   a resample needs that the run never evaluated (the subsets of its own pool) is evaluated once, on all
+   discovery items, in one batched call for all resamples. Each distinct selection is then scored on the
+   holdout, batched together with the null's random sets. (A run in the opt-in low-precision screening mode
+   scored only its top heads exactly; the resamples need every head exactly, so the rest of stage 1 is
+   evaluated then, once.)
+
+Every draw is seeded from the run's seed, so a run is reproducible to the bit.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from cel_utils.config import RESAMPLE_METHODS
+from cel_utils.evaluation.evaluator import Evaluator, Intervention
+from cel_utils.evaluation.outcomes import OutcomeTable, Resampled, take
+from cel_utils.models.heads import format_heads, head_set
+from cel_utils.search.algorithm import HoldoutResult, SearchResult, run_search
+from cel_utils.search.ranking import pool_subsets, rank_singles, score
+from cel_utils.stats.significance import (
+    CI_STREAM,
+    jaccard,
+    mean_pairwise_jaccard,
+    null_position,
+    paired_test,
+    random_head_sets,
+    selection_frequencies,
+)
+
+# Independent random streams per use, all derived from the run's seed (stats.CI_STREAM = 101 for the interval).
+_NULL_STREAM, _RESAMPLE_STREAM = 102, 103
+
+
+def resample_indices(n_items: int, n_resamples: int, method: str = "bootstrap", seed: int = 0) -> list[np.ndarray]:
+    """Item indices of each resampled discovery set.
+
+    ``bootstrap``: ``n_items`` draws with replacement. ``halves``: resamples 2j and 2j+1 are the two halves of
+    one random permutation (disjoint; the first takes the extra item when ``n_items`` is odd).
+    """
+    if method not in RESAMPLE_METHODS:
+        raise ValueError(f"unknown resampling method {method!r}: choose from {RESAMPLE_METHODS}")
+    out = []
+    for b in range(n_resamples):
+        if method == "bootstrap":
+            out.append(np.random.default_rng([seed, _RESAMPLE_STREAM, b]).integers(0, n_items, n_items))
+        else:
+            order = np.random.default_rng([seed, _RESAMPLE_STREAM, b // 2]).permutation(n_items)
+            half = (n_items + 1) // 2
+            out.append(np.sort(order[:half] if b % 2 == 0 else order[half:]))
+    return out
+
+
+def pools_of(discovery: OutcomeTable, indices: np.ndarray, p: int) -> list[Intervention]:
+    """Stage 1 of Algorithm 1 on resampled items: the top ``p`` single heads by the paper's ranking."""
+    heads = discovery.lm.geometry.all_heads()
+    outcomes = discovery.evaluate([()] + [(head,) for head in heads], desc=f"stage 1: full + {len(heads)} heads")
+    ranked = rank_singles(heads, [take(o, indices) for o in outcomes[1:]], take(outcomes[0], indices))
+    return [s.heads for s in ranked[:p]]
+
+
+def resampled_searches(discovery: OutcomeTable, p: int, k: int, indices: list[np.ndarray]) -> list[SearchResult]:
+    """Algorithm 1 (:func:`cel_utils.search.run_search`, unchanged) on each resampled discovery set.
+
+    The pools are computed first so that every subset any resample needs is evaluated in one batched call;
+    that is only a batching step: ``run_search`` then makes the selections, and would evaluate anything the
+    first pass missed.
+    """
+    wanted = []
+    for idx in indices:
+        pool = [heads[0] for heads in pools_of(discovery, idx, p)]
+        wanted += pool_subsets(pool, k)
+    todo = discovery.missing(wanted)
+    if todo:
+        discovery.evaluate(todo, desc=f"stability: {len(todo)} subsets of the resampled pools")
+    return [run_search(Resampled(discovery, idx), p=p, k=k) for idx in indices]
+
+
+def _quantiles(values) -> dict[str, float]:
+    values = np.asarray(values, dtype=float)
+    if values.size == 0:
+        return {}
+    q = np.quantile(values, [0.0, 0.25, 0.5, 0.75, 1.0])
+    return dict(zip(("min", "q25", "median", "q75", "max"), map(float, q)))
+
+
+def assess_run(search: SearchResult, holdout: HoldoutResult, discovery: OutcomeTable | Evaluator,
+               holdout_evaluator: Evaluator, *, n_random_sets: int, n_resamples: int, resample: str = "bootstrap",
+               seed: int = 0) -> dict:
+    """Significance, winner's curse, random-set null and stability of one run, as the artifact stores them.
+
+    ``discovery`` should be the table the search ran on (then only the resampled pools' new subsets cost
+    anything); a plain evaluator is wrapped, and then stage 1 is evaluated again.
+    """
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    table = discovery if isinstance(discovery, OutcomeTable) else OutcomeTable(discovery, known={(): search.full})
+    frozen = head_set(holdout.heads)
+    significance = paired_test(holdout.full.correct, holdout.ablated.correct, seed=[seed, CI_STREAM])
+    result = {
+        "significance": significance.to_json(),
+        "winners_curse": {"discovery_gain_points": search.best.gain, "holdout_gain_points": holdout.gain,
+                          "gap_points": search.best.gain - holdout.gain},
+        "null": None, "stability": None,
+    }
+
+    searches, n_before = [], len(table.evaluated)
+    if n_resamples:
+        indices = resample_indices(len(search.full.correct), n_resamples, resample, seed)
+        searches = resampled_searches(table, search.p, search.k, indices)
+    discovery_evaluations = len(table.evaluated) - n_before
+    timings["stability_discovery_s"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    geometry = table.lm.geometry
+    null_sets = random_head_sets(geometry.all_heads(), len(frozen), n_random_sets, seed=[seed, _NULL_STREAM],
+                                 exclude=[frozen]) if n_random_sets else []
+    selections = [s.frozen for s in searches]
+    held = OutcomeTable(holdout_evaluator, known={(): holdout.full, frozen: holdout.ablated})
+    held.evaluate(null_sets + selections, desc="holdout: random sets and resampled selections")
+    full = holdout.full
+
+    def holdout_gain(heads) -> float:
+        return score(heads, held.evaluate_one(heads), full).gain
+
+    if null_sets:
+        gains = [holdout_gain(s) for s in null_sets]
+        result["null"] = {"size": len(frozen), "n_sets": len(null_sets), "sets": [format_heads(s) for s in null_sets],
+                          "gains_points": gains, "selected_gain_points": holdout.gain,
+                          **null_position(holdout.gain, gains), "quantiles": _quantiles(gains)}
+    if searches:
+        head_freq, set_freq = selection_frequencies(selections)
+        holdout_gains = [holdout_gain(s) for s in selections]
+        discovery_gains = [s.best.gain for s in searches]
+        result["stability"] = {
+            "method": resample, "n_resamples": n_resamples,
+            "selections": [format_heads(s) for s in selections],
+            "discovery_gains_points": discovery_gains,  # on each resample's own items (in-sample)
+            "holdout_gains_points": holdout_gains,
+            "head_frequency": head_freq, "set_frequency": set_freq,
+            "frozen_set_frequency": set_freq.get(format_heads(frozen), 0.0),
+            "mean_jaccard": mean_pairwise_jaccard(selections),
+            "mean_jaccard_to_frozen": float(np.mean([jaccard(s, frozen) for s in selections])),
+            "holdout_gain_quantiles": _quantiles(holdout_gains),
+            "mean_gap_points": float(np.mean(np.subtract(discovery_gains, holdout_gains))),
+            "distinct_selections": len(set(selections)),
+        }
+    timings["null_and_stability_holdout_s"] = time.perf_counter() - start
+    result["cost"] = {"extra_discovery_evaluations": discovery_evaluations,
+                      "extra_holdout_evaluations": len(held.evaluated), "holdout_items": len(full.correct),
+                      "discovery_items": len(search.full.correct)}
+    result["timings"] = timings
+    return result

@@ -1,0 +1,45 @@
+"""A refactor changes no number: runs on a tiny random model, one per task kind, still write the artifacts in
+tests/fixtures/reference/ (made before the package was split into layers, at commit 208c6ca).
+
+Every section the fixture has must come out identical to the byte (as JSON text), except what names the machine
+(library versions, the mirror's absolute path). Sections and settings added since are listed here, each with the
+change that added it; anything else new is an error, so an accidental change of the artifact shows up.
+"""
+import json
+from pathlib import Path
+
+import pytest
+
+from cel_utils.config import RunConfig
+from cel_utils.pipeline.protocol import run_cel
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "reference"
+SETTINGS = dict(model="random:llama:tiny", n_discovery=6, n_holdout=8, p=3, k=2, batch_size=4, max_new_tokens=24,
+                n_random_sets=3, n_resamples=2, cache=False, results_dir="results")
+# Added after the fixtures were made: new settings (their defaults keep the old computation) and new sections.
+ADDED_SETTINGS = {"preset": "none"}
+ADDED_HOLDOUT = {"examples"}  # the flipped items the page shows, computed during the run (pages need no model)
+
+
+def _machine_free(artifact: dict) -> dict:
+    artifact = {key: value for key, value in artifact.items() if key != "versions"}
+    artifact["data"] = {**artifact["data"], "splits": [{k: v for k, v in split.items() if k != "path"}
+                                                       for split in artifact["data"]["splits"]]}
+    return artifact
+
+
+@pytest.mark.parametrize("task", ["arithmetic", "boolq", "hellaswag", "mbpp"])
+def test_artifacts_are_unchanged_by_refactors(task, tiny_models, data_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CEL_DATA_DIR", data_dir)
+    run = run_cel(RunConfig(task=task, **SETTINGS), lm=tiny_models["llama"], progress=False)
+    new = _machine_free(json.loads(run.artifact.read_text()))
+    old = _machine_free(json.loads((FIXTURES / run.artifact.name).read_text()))
+
+    assert {k: v for k, v in new["config"].items() if k not in old["config"]} == ADDED_SETTINGS
+    assert set(new["holdout"]) - set(old["holdout"]) == ADDED_HOLDOUT
+    new["config"] = {k: v for k, v in new["config"].items() if k in old["config"]}
+    new["holdout"] = {k: v for k, v in new["holdout"].items() if k in old["holdout"]}
+    assert list(new) == list(old)
+    for section in old:
+        assert json.dumps(new[section], indent=1) == json.dumps(old[section], indent=1), section
