@@ -35,7 +35,7 @@ browser:
 	  echo "warning: chromium is not installed and could not be installed; the browser test will be skipped"
 
 benchmark: $(VENV)/.installed
-	$(PY) benchmarks/bench_engine.py --fast
+	$(PY) benchmarks/bench_engine.py
 
 clean:
 	rm -rf _build book/runs book/theory book/results.md _toc.yml results

@@ -10,8 +10,7 @@ it) and the engine. It checks that both give the same per-example correctness fo
 are allowed only at float ties, |margin| < 1e-4, and are counted), and prints wall times, the speedup, and
 the engine's time against the ideal: the FLOPs the engine cannot avoid (one clean pass per batch, the
 suffix layers of every intervention, the scored logits) at this machine's measured matmul throughput.
-With --fast it also runs the opt-in bf16 screen (+ fp32 rescoring of the top 3p) and the exact search, and
-reports whether the pool and the frozen set agree. Timings are from one run; the machine's other load
+Screened stage 1 against exact stage 1 is benchmarks/bench_screening.py. Timings are from one run; the machine's other load
 shows up in them, so compare ratios, not absolute seconds.
 """
 from __future__ import annotations
@@ -27,8 +26,6 @@ import torch
 from cel_utils.evaluation.engine import EngineEvaluator
 from cel_utils.evaluation.evaluator import NaiveEvaluator
 from cel_utils.models.loading import load_model
-from cel_utils.pipeline.protocol import lower_precision
-from cel_utils.search.algorithm import run_search
 from cel_utils.tasks.splits import load_task_data
 
 DEFAULT_N = {"arithmetic": 32, "boolq": 4, "hellaswag": 4}
@@ -105,9 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--token-budget", type=int, default=None)
     parser.add_argument("--no-naive", action="store_true", help="engine only (e.g. a 3B screen on a GPU)")
-    parser.add_argument("--fast", action="store_true", help="also compare the bf16 screen with the exact search")
-    parser.add_argument("--p", type=int, default=10)
-    parser.add_argument("--k", type=int, default=3)
     args = parser.parse_args(argv)
     sizes = {**DEFAULT_N, **{k: int(v) for k, v in (item.split("=") for item in args.n)}}
 
@@ -130,16 +124,6 @@ def main(argv: list[str] | None = None) -> int:
             naive_outcomes, naive_s = timed(lambda: naive.evaluate(interventions))
             hard, soft = compare(naive_outcomes, fast_outcomes)
             row.update({"naive_s": naive_s, "speedup": naive_s / engine_s, "differ": hard, "ties": soft})
-        if args.fast:
-            screen = EngineEvaluator(lower_precision(lm, "bfloat16"), data.task, data.discovery, data.fewshot,
-                                     token_budget=args.token_budget, progress=False)
-            exact, exact_s = timed(lambda: run_search(engine, p=args.p, k=args.k))
-            quick, quick_s = timed(lambda: run_search(engine, p=args.p, k=args.k, screen=screen, rescore=3 * args.p))
-            row.update({"search_exact_s": exact_s, "search_bf16_s": quick_s,
-                        "same_pool": sorted(exact.pool) == sorted(quick.pool), "same_frozen": exact.frozen == quick.frozen,
-                        "bf16_stage1_s": quick.timings["stage1_s"]})
-            if "naive_s" in row:
-                row["bf16_stage1_speedup_vs_naive"] = row["naive_s"] / quick.timings["stage1_s"]
         rows.append(row)
         print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
 
@@ -149,12 +133,6 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"| {r['task']} | {r['items']} | {r.get('naive_s', float('nan')):.1f} | {r['engine_s']:.1f} | "
               f"{r.get('speedup', float('nan')):.2f}x | {r['ideal/engine']:.2f} | {r.get('differ', '-')} ({r.get('ties', '-')}) |")
-    if args.fast:
-        print("\n| task | exact search s | bf16-screen search s | bf16 stage-1 speedup vs naive | same pool | same frozen |")
-        print("|---|---|---|---|---|---|")
-        for r in rows:
-            print(f"| {r['task']} | {r['search_exact_s']:.1f} | {r['search_bf16_s']:.1f} | "
-                  f"{r.get('bf16_stage1_speedup_vs_naive', float('nan')):.2f}x | {r['same_pool']} | {r['same_frozen']} |")
     print(f"\npeak resident memory {peak_mb:.0f} MB" + (
         f"; peak GPU memory {torch.cuda.max_memory_allocated() / 2**20:.0f} MB" if lm.device.type == "cuda" else ""))
     return 1 if any(r.get("differ", 0) for r in rows) else 0

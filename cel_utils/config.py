@@ -25,11 +25,13 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from cel_utils.checks import check_int
+from cel_utils.search.screening import SCREENS
 from cel_utils.tasks.prompts import FORMATS
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 ENGINES = ("fast", "naive")
 RESAMPLE_METHODS = ("bootstrap", "halves")
+STAGE1_MODES = ("exact", "screened")
 PRESET_NAMES = ("auto", "cpu", "paper", "quick", "smoke", "none")
 
 
@@ -74,9 +76,13 @@ class RunConfig:
                           "intervention)", choices=ENGINES)
     cache: bool = setting(True, "keep every finished evaluation in the store under $CEL_CACHE_DIR (a killed run "
                           "resumes); off: compute everything afresh and store nothing", results=False)
-    screen_dtype: str | None = setting(None, "opt-in: screen stage 1 in this dtype (e.g. bfloat16), then re-evaluate "
-                                       "the top rescore_factor x p heads exactly")
-    rescore_factor: int = setting(3, "heads re-evaluated exactly after a screen, as a multiple of p", minimum=1)
+    stage1: str = setting("exact", "stage 1 of Algorithm 1: exact (every head evaluated on every discovery item, the "
+                          "paper's) or screened (a cheap screen ranks every head; only its top screen_keep are "
+                          "evaluated exactly)", choices=STAGE1_MODES)
+    screen: str = setting("attribution", "the screen of a screened stage 1: attribution (attribution patching on the "
+                          "decision margin; MBPP: on the reference solution's likelihood), attribution-flips, bf16 "
+                          "(exact in bfloat16)", choices=SCREENS)
+    screen_keep: int = setting(30, "m: heads the screen passes on to exact evaluation (at least p)", minimum=1)
     n_random_sets: int = setting(100, "random head sets of the frozen set's size scored on the holdout, a null for "
                                  "the search (0: off)", minimum=0)
     n_resamples: int = setting(50, "reruns of the whole selection on resampled discovery sets, for stability (0: off)",
@@ -113,8 +119,15 @@ class RunConfig:
         get_task(self.task)
         check_search_params(self.p, self.k, 10**9)  # the head count is checked once the model is loaded
         resolve_dtype(self.dtype, resolve_device(self.device))
-        if self.screen_dtype is not None:
-            resolve_dtype(self.screen_dtype, resolve_device("cpu"))
+        if self.stage1 == "screened":
+            from cel_utils.evaluation.kinds import kind_of
+
+            if self.screen_keep < self.p:
+                raise ValueError(f"screen_keep m={self.screen_keep} is smaller than the pool size p={self.p}: the pool "
+                                 "is drawn from the heads the screen passes on, so use screen_keep >= p")
+            if self.screen == "attribution-flips" and not kind_of(get_task(self.task)).loglikelihood:
+                raise ValueError(f"the attribution-flips screen counts decisions by their margins; {self.task} is "
+                                 "decided by running code: use screen='attribution'")
         resolve_data_dir(self.data_dir)
         if self.cache:  # fails now, not after the search, if the store cannot be written
             from cel_utils.evaluation.store import default_root
@@ -217,11 +230,11 @@ def check_setting(cls: type, name: str, value: Any) -> None:
 # quick: the run notebook's default, a few minutes on a laptop. smoke: seconds per cell with a random tiny model.
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "cpu": {
-        "*": dict(p=5, k=2),
-        "arithmetic": dict(n_discovery=16, n_holdout=100, num_fewshot=3, n_random_sets=5, n_resamples=4),
-        "boolq": dict(n_discovery=8, n_holdout=80, n_random_sets=4, n_resamples=3),
-        "hellaswag": dict(n_discovery=8, n_holdout=80, n_random_sets=4, n_resamples=3),
-        "mbpp": dict(n_discovery=2, n_holdout=10, max_new_tokens=96, n_random_sets=2, n_resamples=2),
+        "*": dict(n_discovery=128, n_holdout=500, p=10, k=2, stage1="screened", screen="attribution", screen_keep=30,
+                  n_random_sets=3, n_resamples=3),
+        "arithmetic": dict(num_fewshot=3),
+        "mbpp": dict(n_discovery=32, n_holdout=100, max_new_tokens=96, screen_keep=10, p=5, n_random_sets=2,
+                     n_resamples=2),
     },
     "paper": {"*": dict(batch_size=32)},
     "quick": {

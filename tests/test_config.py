@@ -18,8 +18,8 @@ NON_DEFAULT = {
     "model": "random:llama:tiny", "task": "arithmetic_2da", "seed": 1, "preset": "smoke", "n_discovery": 5,
     "n_holdout": 7, "p": 3, "k": 1, "fmt": "chat", "num_fewshot": 1, "max_new_tokens": 20, "data_dir": str(MIRROR),
     "results_dir": None,  # the test's folder, filled in below
-    "batch_size": 3, "device": "cpu", "dtype": "bfloat16", "engine": "naive", "cache": False, "screen_dtype": "float16",
-    "rescore_factor": 2, "n_random_sets": 2, "n_resamples": 1, "resample": "halves",
+    "batch_size": 3, "device": "cpu", "dtype": "bfloat16", "engine": "naive", "cache": False, "stage1": "screened",
+    "screen": "bf16", "screen_keep": 6, "n_random_sets": 2, "n_resamples": 1, "resample": "halves",
 }
 EFFECT = {  # besides the artifact's config section: where the setting shows in what was computed
     "model": lambda a: a["model"]["spec"] == "random:llama:tiny",
@@ -33,8 +33,9 @@ EFFECT = {  # besides the artifact's config section: where the setting shows in 
     "data_dir": lambda a: a["data"]["source"] == "mirror",
     "device": lambda a: a["model"]["device"] == "cpu",
     "dtype": lambda a: a["model"]["dtype"] == "bfloat16",
-    "screen_dtype": lambda a: any(s.get("screened") for s in a["stage1"]),
-    "rescore_factor": lambda a: sum(not s.get("screened") for s in a["stage1"]) == 2 * 3,
+    "stage1": lambda a: a["stage1_method"]["method"] == "screened",
+    "screen": lambda a: a["stage1_method"]["screen"] == "bf16" and len(a["stage1_method"]["order"]) == 12,
+    "screen_keep": lambda a: len(a["stage1"]) == 6 and a["stage1_method"]["keep"] == 6,
     "n_random_sets": lambda a: a["reliability"]["null"]["n_sets"] == 2,
     "n_resamples": lambda a: a["reliability"]["stability"]["n_resamples"] == 1,
     "resample": lambda a: a["reliability"]["stability"]["method"] == "halves",
@@ -79,7 +80,8 @@ def test_a_setting_given_to_the_grid_reaches_the_artifact(ran, name):
 
 
 ALTERNATIVE = {"n_discovery": 4, "n_holdout": 6, "p": 2, "k": 2, "fmt": "plain", "num_fewshot": 0, "max_new_tokens": 21,
-               "device": "auto", "dtype": "float32", "engine": "fast", "screen_dtype": None, "rescore_factor": 3,
+               "device": "auto", "dtype": "float32", "engine": "fast", "stage1": "exact", "screen": "attribution",
+               "screen_keep": 7,
                "n_random_sets": 3, "n_resamples": 2, "resample": "bootstrap"}
 IDENTITY = {"model", "task", "seed"}  # another value is another cell (another file name)
 

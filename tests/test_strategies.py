@@ -175,16 +175,6 @@ def test_a_gate_at_zero_is_the_ablation_and_the_gradient_is_the_slope(evaluator)
     assert (lower - upper) / eps == pytest.approx(estimate, rel=1e-2, abs=1e-4)
 
 
-def test_generation_has_no_margin(tiny_models, data_dir):
-    from cel_utils.evaluation.evaluator import NaiveEvaluator
-    from cel_utils.search.attribution import head_attributions
-    from cel_utils.tasks.splits import load_task_data
-
-    data = load_task_data("mbpp", 1, 1, seed=0, data_dir=data_dir)
-    with pytest.raises(NotImplementedError, match="no differentiable margin"):
-        head_attributions(NaiveEvaluator(tiny_models["llama"], data.task, data.holdout, data.fewshot, progress=False))
-
-
 def test_cli_executes_the_strategies_notebook_and_the_results_page_shows_it(tmp_path, data_dir):
     import nbformat
 

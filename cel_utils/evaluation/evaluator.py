@@ -35,6 +35,7 @@ class Evaluator:
         self.lm, self.task, self.items = lm, task, list(items)
         self.fmt, self.batch_size, self.max_new_tokens = fmt, batch_size, max_new_tokens
         self.exec_timeout_s, self.progress = exec_timeout_s, progress
+        self.fewshot = list(fewshot)
         self.fewshot_ids = [item.id for item in fewshot]
         self.store, self._stored, self._digests = store, None, None
         self.kind = kind_of(task)

@@ -3,13 +3,13 @@
 A :class:`cel_utils.tasks.specs.TaskSpec` names its kind (``greedy``, ``choice`` or ``generate``); the evaluators,
 the engine, attribution patching and the run's examples look the kind up here instead of branching on its name.
 
-========  ==============================  ===============================  ===========  =======================
-kind      requests                        decision                         store        differentiable margin
-========  ==============================  ===============================  ===========  =======================
-greedy    prompt + target, teacher forced  every target token the argmax   statistics   smallest logit margin
+========  ===============================  ===============================  ===========  ===========================
+kind      requests                         decision                         store        attributed (screen)
+========  ===============================  ===============================  ===========  ===========================
+greedy    prompt + target, teacher forced  every target token the argmax    statistics   smallest logit margin
 choice    prompt + each answer             highest (normalised) likelihood  statistics   gold - best other
-generate  prompt to continue greedily     the code passes its tests        completions  none
-========  ==============================  ===============================  ===========  =======================
+generate  prompt to continue greedily      the code passes its tests        completions  reference's log-likelihood
+========  ===============================  ===============================  ===========  ===========================
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from cel_utils.evaluation.generation import score_generations
-from cel_utils.tasks.prompts import build_gen_requests, build_requests
-from cel_utils.tasks.scoring import choice_margin, decide_choice, decide_greedy, greedy_margin
+from cel_utils.tasks.prompts import build_gen_requests, build_requests, reference_requests
+from cel_utils.tasks.scoring import choice_margin, decide_choice, decide_greedy, greedy_margin, reference_loglik
 from cel_utils.tasks.specs import TaskSpec
 
 
@@ -34,9 +34,11 @@ class TaskKind:
     loglikelihood: bool
     build_requests: Callable  # (task, items, fewshot, tokenizer, fmt, model_type) -> requests
     decide: Callable  # (task, requests, statistics or completions, timeout_s=...) -> Outcome
-    # The decision margin as a differentiable function of the answers' logits (attribution patching); None: the kind
-    # is decided by something without a gradient (running code).
-    margin: Callable | None
+    # What attribution patching screens by: the requests it scores (evaluator -> requests) and a differentiable number
+    # of one request from its answers' logits: the decision margin, or for generation, where the decision (running
+    # code) has no gradient, the reference solution's mean log-probability per token.
+    attribution_requests: Callable
+    attribution_margin: Callable
     # True: the decision compares the answers' scores with each other, so with plain accuracy and one-token answers
     # only those vocabulary rows need unembedding (the softmax normaliser is shared).
     compares_answers: bool
@@ -60,13 +62,22 @@ def _show_generation(task: TaskSpec, doc: dict, prediction: Any) -> str:
     return f"[{prediction.get('status', '?')}]\n{_clip(prediction.get('completion', '(not stored)'), 600)}"
 
 
+def _own_requests(evaluator) -> list:
+    return evaluator.requests
+
+
+def _reference_requests(evaluator) -> list:
+    return reference_requests(evaluator.task, evaluator.items, evaluator.fewshot, evaluator.lm.tokenizer, evaluator.fmt,
+                              evaluator.lm.model.config.model_type)
+
+
 KINDS: dict[str, TaskKind] = {
-    "greedy": TaskKind("greedy", True, build_requests, decide_greedy, greedy_margin, False, False, _show_greedy,
-                       lambda task, doc: repr(task.doc_to_target(doc))),
-    "choice": TaskKind("choice", True, build_requests, decide_choice, choice_margin, True, True, _show_choice,
-                       lambda task, doc: _show_choice(task, doc, task.doc_to_gold(doc))),
-    "generate": TaskKind("generate", False, build_gen_requests, score_generations, None, False, True, _show_generation,
-                         lambda task, doc: _clip(doc.get("code", ""), 400)),
+    "greedy": TaskKind("greedy", True, build_requests, decide_greedy, _own_requests, greedy_margin, False, False,
+                       _show_greedy, lambda task, doc: repr(task.doc_to_target(doc))),
+    "choice": TaskKind("choice", True, build_requests, decide_choice, _own_requests, choice_margin, True, True,
+                       _show_choice, lambda task, doc: _show_choice(task, doc, task.doc_to_gold(doc))),
+    "generate": TaskKind("generate", False, build_gen_requests, score_generations, _reference_requests, reference_loglik,
+                         False, True, _show_generation, lambda task, doc: _clip(doc.get("code", ""), 400)),
 }
 
 

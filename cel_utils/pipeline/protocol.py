@@ -3,7 +3,6 @@ frozen set on the holdout, and write the JSON artifact. The per-run notebook cal
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -15,10 +14,11 @@ from cel_utils.evaluation.evaluator import Evaluator, NaiveEvaluator
 from cel_utils.evaluation.outcomes import OutcomeTable
 from cel_utils.evaluation.store import EvalStore
 from cel_utils.models.heads import HeadGeometry, format_heads
-from cel_utils.models.loading import LoadedModel, load_model, resolve_dtype
+from cel_utils.models.loading import LoadedModel, load_model
 from cel_utils.pipeline.artifacts import SCHEMA_VERSION, library_versions, run_info_path, utc_now, write_json
 from cel_utils.pipeline.examples import flip_examples
 from cel_utils.search.algorithm import HoldoutResult, SearchResult, check_search_params, evaluate_holdout, run_search
+from cel_utils.search.screening import run_screen
 from cel_utils.stats.reliability import assess_run
 from cel_utils.tasks.splits import TaskData, load_task_data
 
@@ -32,14 +32,6 @@ class CelRun:
     holdout: HoldoutResult
     artifact: Path
     timings: dict = field(default_factory=dict)
-
-
-def lower_precision(lm: LoadedModel, dtype: str) -> LoadedModel:
-    """A copy of the model in another dtype, for the screening pass of the fast mode."""
-    import copy
-
-    target = resolve_dtype(dtype, lm.device)
-    return dataclasses.replace(lm, model=copy.deepcopy(lm.model).to(target), dtype=target)
 
 
 def make_evaluator(lm: LoadedModel, data: TaskData, items, config: RunConfig, progress: bool = True,
@@ -76,10 +68,10 @@ def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool = T
     holdout_evaluator = make_evaluator(lm, data, data.holdout, config, progress, store)
     # The table keeps every per-item outcome of the search, which the stability analysis resamples.
     discovery = OutcomeTable(make_evaluator(lm, data, data.discovery, config, progress, store))
-    screen = None
-    if config.screen_dtype:
-        screen = make_evaluator(lower_precision(lm, config.screen_dtype), data, data.discovery, config, progress, store)
-    search = run_search(discovery, p=config.p, k=config.k, screen=screen, rescore=config.rescore_factor * config.p)
+    screen = run_screen(config.screen, discovery) if config.stage1 == "screened" else None
+    if screen is not None:
+        timings["screen_s"] = screen.seconds
+    search = run_search(discovery, p=config.p, k=config.k, screen=screen, keep=config.screen_keep)
     timings.update(search.timings)
     timings["search_s"] = time.perf_counter() - start
 
@@ -127,6 +119,7 @@ def build_artifact(config: RunConfig, lm: LoadedModel, data: TaskData, search: S
                       "full_accuracy": search.full.accuracy, "full_correct": _bits(search.full.correct),
                       "full_metrics": search.full.metric_means()},
         "stage1": [s.to_json() for s in search.stage1],
+        "stage1_method": search.stage1_json(),  # exact, or which screen and how many heads it passed on
         "pool": [str(heads[0]) for heads in search.pool],
         "stage2": [s.to_json() for s in search.stage2],
         "frozen": {"heads": [str(h) for h in search.frozen], "label": format_heads(search.frozen),

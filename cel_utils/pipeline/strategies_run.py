@@ -52,7 +52,7 @@ def compare_strategies(config: StrategiesConfig, *, lm=None, progress: bool = Tr
         results.append(run())
         timings[f"{name}_s"] = time.perf_counter() - start
     screening = None
-    if kind_of(data.task).margin is None:
+    if not kind_of(data.task).loglikelihood:  # the screen compares with exact decision margins, which code has none of
         skipped = "skipped: MBPP is scored by running generated code, which has no differentiable margin"
     else:
         skipped = ""

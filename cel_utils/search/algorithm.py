@@ -1,10 +1,10 @@
 """Algorithm 1: find at most k heads whose joint zero-ablation most improves discovery accuracy.
 
 Stage 1 scores the full model and every single head on the discovery set and ranks them with the paper's key
-(:mod:`cel_utils.search.ranking`: higher gain, lower harm, higher accuracy, fewer heads, head ids). The top p single
-heads form the pool. Stage 2 scores every subset
-of the pool of size 2..k (size 1 is reused from stage 1), ranks all subsets of size 1..k with the same key
-and freezes the best. Only the discovery evaluator is ever passed in here: the holdout cannot leak into
+(:mod:`cel_utils.search.ranking`: higher gain, lower harm, higher accuracy, fewer heads, head ids); a screened stage 1
+(:mod:`cel_utils.search.screening`) scores only the heads a cheap screen ranks first. The top p single heads form the
+pool. Stage 2 scores every subset of the pool of size 2..k (size 1 is reused from stage 1), ranks all subsets of size
+1..k with the same key and freezes the best. Only the discovery evaluator is ever passed in here: the holdout cannot leak into
 the selection. :func:`evaluate_holdout` then scores the frozen set once against the full model.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ from cel_utils.checks import check_int
 from cel_utils.evaluation.evaluator import Evaluator, Intervention
 from cel_utils.models.heads import HeadId, format_heads, head_set
 from cel_utils.search.ranking import Score, pool_subsets, rank, rank_singles, score
+from cel_utils.search.screening import Screen
 from cel_utils.tasks.scoring import Outcome, relative_error_reduction
 
 
@@ -30,6 +31,12 @@ class SearchResult:
     k: int
     timings: dict = field(default_factory=dict)
     n_evaluated: int = 0
+    screen: Screen | None = None  # stage 1 was screened: only its top `keep` heads were evaluated exactly
+    keep: int | None = None
+
+    def stage1_json(self) -> dict:
+        """How stage 1 ran, for the artifact: every head exactly, or a screen and how many heads it passed on (m)."""
+        return {"method": "exact"} if self.screen is None else self.screen.to_json(self.keep)
 
     @property
     def frozen(self) -> Intervention:
@@ -46,44 +53,39 @@ def check_search_params(p: int, k: int, n_heads: int) -> None:
 
 
 def run_search(discovery: Evaluator, p: int = 10, k: int = 3, candidates: list[HeadId] | None = None,
-               screen: Evaluator | None = None, rescore: int | None = None) -> SearchResult:
+               screen: Screen | None = None, keep: int | None = None) -> SearchResult:
     """Algorithm 1 on a discovery evaluator. ``candidates`` restricts stage 1 (default: every head).
 
-    With a ``screen`` evaluator (the same items on a cheaper, e.g. bf16, copy of the model), stage 1 runs
-    there first and only its top ``rescore`` heads (default 3p) are re-evaluated exactly; the pool is
-    drawn from those exact scores, and stage 2 is exact. This is the opt-in fast mode: it is exact
-    whenever the true top-p heads are within the screen's top ``rescore``.
+    With a ``screen`` (:mod:`cel_utils.search.screening`), stage 1 evaluates exactly only the screen's top ``keep``
+    heads (m) on the discovery items; the pool is the top p of those by the paper's key, and stage 2 is unchanged.
+    With m at least the number of candidates, that is exact stage 1 itself.
     """
     geometry = discovery.lm.geometry
     candidates = geometry.all_heads() if candidates is None else list(candidates)
+    if screen is not None:
+        check_int("keep (m, the heads the screen passes on)", keep)
+        if keep < p:
+            raise ValueError(f"the screen passes on m={keep} heads, fewer than the pool size p={p}: the pool is drawn "
+                             "from them, so use m >= p")
+        candidates = screen.top(keep, candidates)
     check_search_params(p, k, len(candidates))
     timings = {}
     start = time.perf_counter()
-    singles = [(head,) for head in candidates]
-    if screen is None:
-        outcomes = discovery.evaluate([()] + singles, desc=f"stage 1: full + {len(singles)} heads")
-        full = outcomes[0]
-        stage1 = rank_singles(candidates, outcomes[1:], full)
-    else:
-        outcomes = screen.evaluate([()] + singles, desc=f"stage 1 screen: full + {len(singles)} heads")
-        screened = rank_singles(candidates, outcomes[1:], outcomes[0], screened=True)
-        rescore = min(len(screened), rescore or 3 * p)
-        top = [s.heads for s in screened[:rescore]]
-        exact = discovery.evaluate([()] + top, desc=f"stage 1 rescore: full + top {rescore} heads")
-        full = exact[0]
-        stage1 = rank([score(heads, out, full) for heads, out in zip(top, exact[1:])]) + screened[rescore:]
-        timings["stage1_screen_rescored"] = rescore
+    what = f"top {len(candidates)} heads of the {screen.method} screen" if screen else f"{len(candidates)} heads"
+    outcomes = discovery.evaluate([()] + [(head,) for head in candidates], desc=f"stage 1: full + {what}")
+    full = outcomes[0]
+    stage1 = rank_singles(candidates, outcomes[1:], full)
     timings["stage1_s"] = time.perf_counter() - start
 
     pool = [s.heads for s in stage1[:p]]
-    pool_heads = [heads[0] for heads in pool]
-    subsets = pool_subsets(pool_heads, k)
+    subsets = pool_subsets([heads[0] for heads in pool], k)
     start = time.perf_counter()
     subset_outcomes = discovery.evaluate(subsets, desc=f"stage 2: {len(subsets)} subsets of the pool") if subsets else []
     timings["stage2_s"] = time.perf_counter() - start
     stage2 = rank(stage1[:p] + [score(heads, out, full) for heads, out in zip(subsets, subset_outcomes)])
     return SearchResult(full=full, stage1=stage1, pool=pool, stage2=stage2, best=stage2[0], p=p, k=k,
-                        timings=timings, n_evaluated=1 + len(singles) + len(subsets))
+                        timings=timings, n_evaluated=1 + len(candidates) + len(subsets), screen=screen,
+                        keep=len(candidates) if screen else None)
 
 
 @dataclass

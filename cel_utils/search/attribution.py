@@ -1,26 +1,27 @@
-"""Attribution patching: a first-order estimate of every head's zero-ablation effect from one backward pass.
+"""Attribution patching: a first-order estimate of every head's zero-ablation effect, per item, from one backward pass.
 
 Put a gate ``g_h`` on every head's slice ``z_h`` of the o_proj input (the same site the ablation uses):
 ``z_h -> g_h z_h``. All gates at 1 is the full model; ``g_h = 0`` ablates head h. To first order,
 
     M(ablate h) - M(full)  ~  -dM/dg_h  =  -(dM/dz_h . z_h)   (summed over positions)
 
-so one forward and one backward pass per batch give an estimate for *every* head at once, against one
-evaluation per head for exact screening.
+so one forward and one backward pass per batch give an estimate for *every* head at once, against one evaluation per
+head for exact screening. Every batch row has its own gates, so the backward pass of the summed margins leaves each
+item's own gradient in its rows: the estimate is per item (``Attribution.per_item``), and a resampled item set is a
+mean over other rows, with no new pass.
 
-``M`` is the task's decision margin, the one its kind's decision (:mod:`cel_utils.evaluation.kinds`) stores in ``Outcome.margin``
-(an item is correct iff its margin is positive):
+``M`` is what the task's kind says to attribute (:mod:`cel_utils.evaluation.kinds`, ``attribution_margin``):
 
-* greedy-match tasks (arithmetic): the smallest, over answer tokens, of (target logit - best other logit);
-* multiple choice (BoolQ, HellaSwag): score(gold) - best score(other), the score being the answer's
-  log-likelihood, divided by its length in characters for acc_norm.
+* greedy match (arithmetic): the decision margin, the smallest over answer tokens of (target logit - best other logit);
+* multiple choice (BoolQ, HellaSwag): the decision margin, score(gold) - best score(other), the score being the
+  answer's log-likelihood (per character for acc_norm);
+* generation (MBPP), which is decided by running code and has no margin: the mean log-probability per token of the
+  reference solution, teacher forced after the same prompt (a head whose removal makes the reference likelier is a
+  candidate for a pass@1 gain).
 
-Both are piecewise smooth (a min or max picks one branch; autograd differentiates that branch). The exact
-effect on the same margin is free for every head screened exactly (the outcomes carry margins), so the
-estimate can be checked against it, and against the accuracy gain that the search actually ranks by.
-
-MBPP is decided by running generated code and has no margin; it is skipped (:class:`NotImplementedError`).
-The teacher-forced log-likelihood of the reference solution would be a possible proxy; it is not implemented.
+All are piecewise smooth (a min or max picks one branch; autograd differentiates that branch). For the decision
+margins, the exact effect of every head evaluated exactly is free (the outcomes carry margins), so the estimate can be
+checked against it, and against the accuracy gain that the search actually ranks by.
 """
 from __future__ import annotations
 
@@ -40,9 +41,14 @@ FORWARD_BACKWARD_COST = 3.0
 
 @dataclass
 class Attribution:
-    estimate: np.ndarray  # [layers, heads]: estimated mean change of the margin when the head is zero-ablated
-    full_margins: np.ndarray  # [items]: the full model's margins, as computed here (checks against Outcome.margin)
+    per_item: np.ndarray  # [items, layers, heads]: estimated change of each item's M when the head is zero-ablated
+    full_margins: np.ndarray  # [items]: M of the full model, as computed here (checks against Outcome.margin)
     forward_equivalents: float  # cost, in forward passes of the full model over one item
+
+    @property
+    def estimate(self) -> np.ndarray:
+        """[layers, heads]: the estimated change of the mean M over the items."""
+        return self.per_item.mean(axis=0)
 
 
 def _rows(request) -> list[tuple[list[int], list[int], int]]:
@@ -69,45 +75,61 @@ def _batches(requests, budget: int) -> list[list[int]]:
     return batches
 
 
-def gated_margins(evaluator, gates: torch.Tensor, token_budget: int = TOKEN_BUDGET) -> np.ndarray:
-    """Per-item margins with every head's o_proj input scaled by ``gates`` [layers, heads] (1: kept, 0: ablated).
+def _target(evaluator):
+    """What to attribute for the evaluator's task: its requests and the differentiable M of one request."""
+    kind = kind_of(evaluator.task)
+    requests = kind.attribution_requests(evaluator)
+    return requests, kind.attribution_margin
 
-    When ``gates`` requires grad, the gradient of the summed margins is accumulated into ``gates.grad``, one
-    backward pass per batch.
-    """
-    lm, task, requests = evaluator.lm, evaluator.task, evaluator.requests
-    margin = kind_of(task).margin
-    if margin is None:
-        raise NotImplementedError(f"{task.name} is scored by running generated code: it has no differentiable margin")
-    geometry, device = lm.geometry, lm.device
-    margins = np.zeros(len(requests))
-    pad = lm.tokenizer.pad_token_id
-    for batch in _batches(requests, token_budget):
-        rows = [(i, *row) for i in batch for row in _rows(requests[i])]
-        width = max(len(tokens) for _, tokens, _, _ in rows)
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        for r, (_, tokens, _, _) in enumerate(rows):
-            ids[r, :len(tokens)] = torch.tensor(tokens)  # right padding: causal attention never sees a pad
-        with torch.set_grad_enabled(gates.requires_grad):
-            factors = {layer: gates[layer].repeat_interleave(geometry.head_dim) for layer in range(geometry.n_layers)}
-            with scaled_head_outputs(lm.model, factors):
-                hidden = base_model(lm.model)(input_ids=ids.to(device)).last_hidden_state
-            per_request: dict[int, list[torch.Tensor]] = {}
-            for r, (i, _, targets, first) in enumerate(rows):
-                logits = unembed(lm.model, hidden[r, first:first + len(targets)])
-                per_request.setdefault(i, []).append(logits.to(torch.promote_types(logits.dtype, torch.float32)))
-            batch_margins = torch.stack([margin(task, requests[i], per_request[i]) for i in batch])
-            if gates.requires_grad:
-                batch_margins.sum().backward()
-        margins[batch] = batch_margins.detach().double().cpu().numpy()
-    return margins
+
+def _batch_margins(evaluator, requests, margin, batch: list[int], gates: torch.Tensor) -> torch.Tensor:
+    """M of each request in ``batch`` with every row's o_proj inputs scaled by its own ``gates`` [rows, layers, heads]
+    (1: kept, 0: ablated); one row per continuation, right padded (causal attention never sees a pad)."""
+    lm, geometry = evaluator.lm, evaluator.lm.geometry
+    rows = [(i, *row) for i in batch for row in _rows(requests[i])]
+    width = max(len(tokens) for _, tokens, _, _ in rows)
+    ids = torch.full((len(rows), width), lm.tokenizer.pad_token_id, dtype=torch.long)
+    for r, (_, tokens, _, _) in enumerate(rows):
+        ids[r, :len(tokens)] = torch.tensor(tokens)
+    factors = {layer: gates[:, layer].repeat_interleave(geometry.head_dim, dim=-1) for layer in range(geometry.n_layers)}
+    with scaled_head_outputs(lm.model, factors):
+        hidden = base_model(lm.model)(input_ids=ids.to(lm.device)).last_hidden_state
+    per_request: dict[int, list[torch.Tensor]] = {}
+    for r, (i, _, targets, first) in enumerate(rows):
+        logits = unembed(lm.model, hidden[r, first:first + len(targets)])
+        per_request.setdefault(i, []).append(logits.to(torch.promote_types(logits.dtype, torch.float32)))
+    return torch.stack([margin(evaluator.task, requests[i], per_request[i]) for i in batch])
+
+
+def _row_counts(requests, batch: list[int]) -> list[int]:
+    return [len(requests[i].continuations) for i in batch]
+
+
+def gated_margins(evaluator, gates: torch.Tensor, token_budget: int = TOKEN_BUDGET) -> np.ndarray:
+    """Per-item M with every head's o_proj input scaled by ``gates`` [layers, heads], the same for every item."""
+    requests, margin = _target(evaluator)
+    out = np.zeros(len(requests))
+    with torch.no_grad():
+        for batch in _batches(requests, token_budget):
+            rows = sum(_row_counts(requests, batch))
+            out[batch] = _batch_margins(evaluator, requests, margin, batch, gates.expand(rows, -1, -1)).double().cpu().numpy()
+    return out
 
 
 def head_attributions(evaluator, token_budget: int = TOKEN_BUDGET) -> Attribution:
-    """Estimated zero-ablation effect of every head on the mean margin over the evaluator's items."""
+    """Estimated zero-ablation effect of every head on every item's M, from one forward and backward pass per batch."""
     lm = evaluator.lm
-    gates = torch.ones(lm.geometry.n_layers, lm.geometry.n_heads, dtype=lm.dtype, device=lm.device, requires_grad=True)
-    margins = gated_margins(evaluator, gates, token_budget)
-    estimate = -gates.grad.double().cpu().numpy() / len(margins)
-    return Attribution(estimate=estimate, full_margins=margins,
+    requests, margin = _target(evaluator)
+    shape = (lm.geometry.n_layers, lm.geometry.n_heads)
+    per_item, margins = np.zeros((len(requests), *shape)), np.zeros(len(requests))
+    for batch in _batches(requests, token_budget):
+        counts = _row_counts(requests, batch)
+        gates = torch.ones(sum(counts), *shape, dtype=lm.dtype, device=lm.device, requires_grad=True)
+        batch_margins = _batch_margins(evaluator, requests, margin, batch, gates)
+        batch_margins.sum().backward()  # each item's M depends only on its own rows' gates
+        grads = gates.grad.double().cpu().numpy()
+        ends = np.cumsum(counts)
+        per_item[batch] = -np.stack([grads[end - n:end].sum(axis=0) for n, end in zip(counts, ends)])
+        margins[batch] = batch_margins.detach().double().cpu().numpy()
+    return Attribution(per_item=per_item, full_margins=margins,
                        forward_equivalents=FORWARD_BACKWARD_COST * len(margins))

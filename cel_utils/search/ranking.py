@@ -27,7 +27,6 @@ class Score:
     gain_count: int  # n_correct(ablated) - n_correct(full)
     harm: int
     help: int
-    screened: bool = False  # True: scored only by the low-precision screen, never re-evaluated exactly
 
     @property
     def accuracy(self) -> float:
@@ -39,17 +38,16 @@ class Score:
         return 100.0 * self.gain_count / self.n_items
 
     def to_json(self) -> dict:
-        payload = {"heads": [str(h) for h in self.heads], "accuracy": self.accuracy, "gain_points": self.gain,
-                   "n_correct": self.n_correct, "harm": self.harm, "help": self.help}
-        return {**payload, "screened": True} if self.screened else payload
+        return {"heads": [str(h) for h in self.heads], "accuracy": self.accuracy, "gain_points": self.gain,
+                "n_correct": self.n_correct, "harm": self.harm, "help": self.help}
 
 
-def score(heads: Intervention, ablated: Outcome, full: Outcome, screened: bool = False) -> Score:
+def score(heads: Intervention, ablated: Outcome, full: Outcome) -> Score:
     if ablated.item_ids != full.item_ids:
         raise ValueError("ablated and full outcomes are over different items")
     a, f = ablated.correct, full.correct
     return Score(heads=heads, n_correct=int(a.sum()), n_items=len(a), gain_count=int(a.sum()) - int(f.sum()),
-                 harm=int((f & ~a).sum()), help=int((~f & a).sum()), screened=screened)
+                 harm=int((f & ~a).sum()), help=int((~f & a).sum()))
 
 
 def rank_key(s: Score) -> tuple:
@@ -61,9 +59,9 @@ def rank(scores: list[Score]) -> list[Score]:
     return sorted(scores, key=rank_key)
 
 
-def rank_singles(heads: Sequence[HeadId], outcomes: Sequence[Outcome], full: Outcome, screened: bool = False) -> list[Score]:
+def rank_singles(heads: Sequence[HeadId], outcomes: Sequence[Outcome], full: Outcome) -> list[Score]:
     """Stage 1's ranking: each head ablated alone, scored against the full model on the same items, best first."""
-    return rank([score((head,), outcome, full, screened) for head, outcome in zip(heads, outcomes)])
+    return rank([score((head,), outcome, full) for head, outcome in zip(heads, outcomes)])
 
 
 def pool_subsets(pool: Sequence[HeadId], k: int) -> list[Intervention]:

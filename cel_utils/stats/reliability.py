@@ -14,9 +14,9 @@
    deterministic, so a resample only indexes the vectors of the run's discovery :class:`OutcomeTable`; what
    a resample needs that the run never evaluated (the subsets of its own pool) is evaluated once, on all
    discovery items, in one batched call for all resamples. Each distinct selection is then scored on the
-   holdout, batched together with the null's random sets. (A run in the opt-in low-precision screening mode
-   scored only its top heads exactly; the resamples need every head exactly, so the rest of stage 1 is
-   evaluated then, once.)
+   holdout, batched together with the null's random sets. A run with a screened stage 1 is resampled screened too:
+   the screen's per-item numbers are indexed like the outcomes, and only heads a resampled screen passes on that the
+   run never evaluated cost an exact evaluation.
 
 Every draw is seeded from the run's seed, so a run is reproducible to the bit.
 """
@@ -32,6 +32,7 @@ from cel_utils.evaluation.outcomes import OutcomeTable, Resampled, take
 from cel_utils.models.heads import format_heads, head_set
 from cel_utils.search.algorithm import HoldoutResult, SearchResult, run_search
 from cel_utils.search.ranking import pool_subsets, rank_singles, score
+from cel_utils.search.screening import Screen
 from cel_utils.stats.significance import (
     CI_STREAM,
     jaccard,
@@ -65,29 +66,38 @@ def resample_indices(n_items: int, n_resamples: int, method: str = "bootstrap", 
     return out
 
 
-def pools_of(discovery: OutcomeTable, indices: np.ndarray, p: int) -> list[Intervention]:
-    """Stage 1 of Algorithm 1 on resampled items: the top ``p`` single heads by the paper's ranking."""
-    heads = discovery.lm.geometry.all_heads()
+def pools_of(discovery: OutcomeTable, indices: np.ndarray, p: int, screen: Screen | None = None,
+             keep: int | None = None) -> list[Intervention]:
+    """Stage 1 of Algorithm 1 on resampled items: the top ``p`` single heads by the paper's ranking, among all heads
+    or, with a screen, among the screen's top ``keep`` on the same resampled items."""
+    heads = discovery.lm.geometry.all_heads() if screen is None else screen.view(indices).top(keep)
     outcomes = discovery.evaluate([()] + [(head,) for head in heads], desc=f"stage 1: full + {len(heads)} heads")
     ranked = rank_singles(heads, [take(o, indices) for o in outcomes[1:]], take(outcomes[0], indices))
     return [s.heads for s in ranked[:p]]
 
 
-def resampled_searches(discovery: OutcomeTable, p: int, k: int, indices: list[np.ndarray]) -> list[SearchResult]:
-    """Algorithm 1 (:func:`cel_utils.search.run_search`, unchanged) on each resampled discovery set.
+def resampled_searches(discovery: OutcomeTable, p: int, k: int, indices: list[np.ndarray], screen: Screen | None = None,
+                       keep: int | None = None) -> list[SearchResult]:
+    """Algorithm 1 (:func:`cel_utils.search.run_search`, unchanged) on each resampled discovery set, screened as the
+    run was (the screen's per-item numbers are resampled too, no new screening pass).
 
-    The pools are computed first so that every subset any resample needs is evaluated in one batched call;
-    that is only a batching step: ``run_search`` then makes the selections, and would evaluate anything the
-    first pass missed.
+    What the resamples need beyond the run's own evaluations (heads a resampled screen passes on, subsets of the
+    resampled pools) is evaluated in one batched call per stage, on all discovery items; that is only a batching
+    step: ``run_search`` then makes the selections, and would evaluate anything the first pass missed.
     """
+    if screen is not None:
+        singles = [(h,) for idx in indices for h in screen.view(idx).top(keep)]
+        todo = discovery.missing(singles)
+        if todo:
+            discovery.evaluate(todo, desc=f"stability: {len(todo)} heads the resampled screens pass on")
     wanted = []
     for idx in indices:
-        pool = [heads[0] for heads in pools_of(discovery, idx, p)]
-        wanted += pool_subsets(pool, k)
+        wanted += pool_subsets([heads[0] for heads in pools_of(discovery, idx, p, screen, keep)], k)
     todo = discovery.missing(wanted)
     if todo:
         discovery.evaluate(todo, desc=f"stability: {len(todo)} subsets of the resampled pools")
-    return [run_search(Resampled(discovery, idx), p=p, k=k) for idx in indices]
+    return [run_search(Resampled(discovery, idx), p=p, k=k, screen=None if screen is None else screen.view(idx),
+                       keep=keep) for idx in indices]
 
 
 def _quantiles(values) -> dict[str, float]:
@@ -121,7 +131,7 @@ def assess_run(search: SearchResult, holdout: HoldoutResult, discovery: OutcomeT
     searches, n_before = [], len(table.evaluated)
     if n_resamples:
         indices = resample_indices(len(search.full.correct), n_resamples, resample, seed)
-        searches = resampled_searches(table, search.p, search.k, indices)
+        searches = resampled_searches(table, search.p, search.k, indices, search.screen, search.keep)
     discovery_evaluations = len(table.evaluated) - n_before
     timings["stability_discovery_s"] = time.perf_counter() - start
 

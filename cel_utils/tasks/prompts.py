@@ -132,6 +132,21 @@ def build_requests(task: TaskSpec, items: list[Item], fewshot: list[Item], token
     return requests
 
 
+def reference_requests(task: TaskSpec, items: list[Item], fewshot: list[Item], tokenizer, fmt: str = "plain",
+                       model_type: str | None = None) -> list[Request]:
+    """A generation task's reference solutions as teacher-forced requests: the prompt the model continues, and the
+    reference answer as its one continuation (what attribution screens a generation task by)."""
+    requests = []
+    for item in items:
+        context = render_context(task, item.doc, fewshot, fmt, tokenizer, model_type)
+        answer = _texts(task, item.doc, fmt)[1].removeprefix(task.chat_prefix if fmt == "chat" else "")
+        context_ids, continuation = (encode_pair(tokenizer, context, answer) if fmt == "plain"
+                                     else (_encode(tokenizer, context), _encode(tokenizer, answer)))
+        requests.append(Request(item_id=item.id, context=tuple(context_ids), continuations=(tuple(continuation),),
+                                gold=0, choice_chars=(len(answer),), prompt=context, answers=(answer,)))
+    return requests
+
+
 def build_gen_requests(task: TaskSpec, items: list[Item], fewshot: list[Item], tokenizer, fmt: str = "plain",
                        model_type: str | None = None) -> list[GenRequest]:
     """Tokenized generation requests (MBPP): the prompt to continue, where to stop, and the tests to run."""

@@ -98,6 +98,13 @@ def choice_margin(task: TaskSpec, request: Request, logits_per_answer: list[torc
     return scores[request.gold] - others.max()
 
 
+def reference_loglik(task: TaskSpec, request: Request, logits_per_answer: list[torch.Tensor]) -> torch.Tensor:
+    """The mean log-probability per token of a request's one continuation (a reference solution), differentiable."""
+    (logits,) = logits_per_answer
+    targets = torch.tensor(request.continuations[0], device=logits.device)
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).mean()
+
+
 def relative_error_reduction(full_pct: float, ablated_pct: float) -> float:
     """gain / (100 - full), in percent, from accuracies in percent (the paper's Table 1: 70.40 -> 83.50 gives 44.26%);
     NaN when the full model is at 100% (no error left to reduce)."""

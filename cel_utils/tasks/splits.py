@@ -12,8 +12,10 @@ mbpp       train (374)                               test (500)
 Where a train split is unavailable (the local mirror lacks BoolQ and HellaSwag train) discovery is a
 seeded draw from validation disjoint from the holdout, and the result records that fallback. Draws are
 seeded and nested: the holdout does not depend on the discovery size, and a larger size extends a smaller
-one. Few-shot exemplars come from items in neither set. Discovery and holdout are checked disjoint by
-content (prompt + answer), not just by id; an overlap is an error.
+one. The holdout keeps every item it draws, duplicates included (HellaSwag's validation split holds 10,042 items, 23 of
+them repeats, and the paper's holdout is all of them); only discovery candidates whose content (prompt + answer) occurs
+in the holdout split are dropped, so that discovery and holdout are disjoint. Few-shot exemplars come from items in
+neither set. Disjointness is checked by content, not just by id; an overlap is an error.
 """
 from __future__ import annotations
 
@@ -67,14 +69,15 @@ def _load_items(task: TaskSpec, split: str, data_dir, provenance: list) -> list[
     return items
 
 
-def _dedupe(task: TaskSpec, items: list[Item], exclude: set[str] = frozenset()) -> tuple[list[Item], int]:
-    seen, kept = set(exclude), []
+def _disjoint_from(task: TaskSpec, items: list[Item], taken: list[Item]) -> list[Item]:
+    """``items`` without those whose content (prompt + answer) occurs in ``taken`` or earlier in ``items``."""
+    seen, kept = {content_key(task, item.doc) for item in taken}, []
     for item in items:
         key = content_key(task, item.doc)
         if key not in seen:
             seen.add(key)
             kept.append(item)
-    return kept, len(items) - len(kept)
+    return kept
 
 
 def _check_size(name: str, n: int | None, available: int, task: TaskSpec, where: str) -> int:
@@ -110,8 +113,8 @@ def load_task_data(task: TaskSpec | str, n_discovery: int | None = None, n_holdo
     num_fewshot = task.default_fewshot if num_fewshot is None else num_fewshot
     check_int(f"{task.name}: num_fewshot", num_fewshot, 0)
     sources: list[dict] = []
-    holdout_pool, dropped = _dedupe(task, _load_items(task, task.holdout_split, data_dir, sources))
-    notes = {"duplicates_dropped": dropped}
+    holdout_pool = _load_items(task, task.holdout_split, data_dir, sources)  # every row: the holdout keeps duplicates
+    notes = {}
 
     discovery_pool = None
     if task.discovery_split is not None:
@@ -135,19 +138,23 @@ def load_task_data(task: TaskSpec | str, n_discovery: int | None = None, n_holdo
         default_h = min(paper_h, len(pool) - d - reserve)
         h = _check_size("holdout", default_h if n_holdout is None else n_holdout, len(pool) - d, task,
                         f"{where} after {d} discovery items")
-        holdout, discovery, rest = pool[:h], pool[h:h + d], pool[h + d:]
+        holdout = pool[:h]
+        remaining = _disjoint_from(task, pool[h:], holdout)
+        notes["discovery_candidates_dropped_as_duplicates"] = len(pool) - h - len(remaining)
+        where = f"{where} after {h} holdout items and the items equal to them"
+        d = _check_size("discovery", d, len(remaining), task, where)
+        discovery, rest = remaining[:d], remaining[d:]
     else:
         n_h = _check_size("holdout", n_holdout, len(holdout_pool), task, f"{task.holdout_split}")
         picked = np.sort(np.random.default_rng([seed, 1]).permutation(len(holdout_pool))[:n_h])
         holdout = [holdout_pool[i] for i in picked]
-        excluded = {content_key(task, item.doc) for item in holdout_pool}  # all of it, not just the sample
-        discovery_pool, dropped_d = _dedupe(task, discovery_pool, excluded)
-        notes["discovery_items_dropped_as_duplicates_of_holdout"] = dropped_d
+        remaining = _disjoint_from(task, discovery_pool, holdout_pool)  # all of it, not just the sample
+        notes["discovery_candidates_dropped_as_duplicates"] = len(discovery_pool) - len(remaining)
         n_d = _check_size("discovery", task.paper_sizes[0] if n_discovery is None else n_discovery,
-                          len(discovery_pool), task, f"{task.discovery_split}")
-        order = np.random.default_rng([seed, 2]).permutation(len(discovery_pool))
-        discovery = [discovery_pool[i] for i in np.sort(order[:n_d])]
-        rest = [discovery_pool[i] for i in order[n_d:]]
+                          len(remaining), task, f"{task.discovery_split}")
+        order = np.random.default_rng([seed, 2]).permutation(len(remaining))
+        discovery = [remaining[i] for i in np.sort(order[:n_d])]
+        rest = [remaining[i] for i in order[n_d:]]
 
     if task.fewshot_split is not None:
         exemplar_pool = _load_items(task, task.fewshot_split, data_dir, sources)

@@ -1,0 +1,85 @@
+"""Screened stage 1: every screen orders all heads; with m = all heads the screened search is the exact one; resampled
+screens index the per-item numbers; attribution per item, and on MBPP's reference solutions."""
+import numpy as np
+import pytest
+import torch
+
+from cel_utils.evaluation.evaluator import NaiveEvaluator
+from cel_utils.evaluation.outcomes import OutcomeTable
+from cel_utils.models.heads import HeadId
+from cel_utils.search.algorithm import run_search
+from cel_utils.search.attribution import gated_margins, head_attributions
+from cel_utils.search.screening import SCREENS, Screen, run_screen
+from cel_utils.tasks.splits import load_task_data
+
+
+@pytest.fixture(scope="module")
+def discovery(tiny_models, data_dir):
+    data = load_task_data("hellaswag", 8, 4, seed=0, data_dir=data_dir)
+    return NaiveEvaluator(tiny_models["llama"], data.task, data.discovery, data.fewshot, progress=False)
+
+
+@pytest.mark.parametrize("method", SCREENS)
+def test_with_every_head_passed_on_the_screened_search_is_the_exact_one(discovery, method):
+    table = OutcomeTable(discovery)
+    exact = run_search(table, p=3, k=2)
+    screen = run_screen(method, discovery)
+    assert sorted(screen.order()) == discovery.lm.geometry.all_heads()  # every head, once
+    screened = run_search(table, p=3, k=2, screen=screen, keep=len(screen.heads))
+    assert screened.frozen == exact.frozen and screened.stage1 == exact.stage1 and screened.stage2 == exact.stage2
+    assert screened.stage1_json()["keep"] == 12 and exact.stage1_json() == {"method": "exact"}
+
+
+def test_a_screened_search_evaluates_only_the_heads_the_screen_passes_on(discovery):
+    table = OutcomeTable(discovery)
+    screen = run_screen("attribution", discovery)
+    result = run_search(table, p=2, k=2, screen=screen, keep=4)
+    top = screen.order()[:4]
+    assert [s.heads[0] for s in result.stage1] and {s.heads[0] for s in result.stage1} == set(top)
+    assert set(table.evaluated) == {()} | {(h,) for h in top} | set(map(tuple, [s.heads for s in result.stage2
+                                                                                if len(s.heads) == 2]))
+    with pytest.raises(ValueError, match="passes on m=4 heads, fewer than the pool size p=5"):
+        run_search(table, p=5, k=2, screen=screen, keep=4)
+
+
+def test_screens_rank_by_their_numbers_and_resample_by_indexing_them():
+    heads = [HeadId(0, 0), HeadId(0, 1), HeadId(1, 0)]
+    per_item = np.array([[0.5, -1.0, 0.1], [0.5, 3.0, 0.1], [-2.0, 0.0, 0.1]])
+    screen = Screen("attribution", heads, per_item, full_margins=np.array([-0.2, 1.0, -0.05]))
+    assert screen.order() == [HeadId(0, 1), HeadId(1, 0), HeadId(0, 0)]  # means 0.667, 0.1, -0.333
+    assert screen.view(np.array([0, 0, 2])).order() == [HeadId(1, 0), HeadId(0, 0), HeadId(0, 1)]
+    flips = Screen("attribution-flips", heads, per_item, full_margins=np.array([-0.2, 1.0, -0.05]))
+    # item 0 (margin -0.2) moves above 0 under L0.H0 and L1.H0 is too small (-0.1); item 2 (-0.05) moves under L1.H0;
+    # item 1 (1.0) falls below 0 under no head; L0.H1 flips nothing but has the largest mean
+    assert list(flips.scores()) == [1, 0, 1]
+    assert flips.order() == [HeadId(1, 0), HeadId(0, 0), HeadId(0, 1)]  # a tie on flips goes to the larger mean
+    bf16 = Screen("bf16", heads, np.array([[1, 0, 1], [0, 0, -1], [0, 1, 1]]))
+    assert list(bf16.scores()) == [1, 1, 1] and bf16.order() == [HeadId(0, 0), HeadId(0, 1), HeadId(1, 0)]  # harm
+    assert bf16.view(np.array([2])).order() == [HeadId(0, 1), HeadId(1, 0), HeadId(0, 0)]
+
+
+def test_attribution_per_item_is_each_items_own_gradient(discovery):
+    result = head_attributions(discovery)
+    assert result.per_item.shape == (8, 3, 4)
+    one = head_attributions(NaiveEvaluator(discovery.lm, discovery.task, discovery.items[2:3], progress=False))
+    np.testing.assert_allclose(one.per_item[0], result.per_item[2], rtol=1e-4, atol=1e-6)  # batching changes nothing
+
+
+def test_mbpp_is_screened_by_the_reference_solutions_likelihood(tiny_models, data_dir):
+    from cel_utils.tasks.prompts import reference_requests
+    from cel_utils.tasks.scoring import loglikelihoods_naive
+
+    lm = tiny_models["llama"]
+    data = load_task_data("mbpp", 2, 1, seed=0, data_dir=data_dir)
+    evaluator = NaiveEvaluator(lm, data.task, data.discovery, data.fewshot, progress=False)
+    requests = reference_requests(data.task, data.discovery, data.fewshot, lm.tokenizer, "plain", "llama")
+    assert lm.tokenizer.decode(requests[0].continuations[0]).endswith("[DONE]")
+    head = HeadId(2, 1)
+    gates = torch.ones(3, 4)
+    gates[head.layer, head.head] = 0.0
+    stats = loglikelihoods_naive(lm, requests, [head])  # the exact reference log-likelihood with the head ablated
+    exact = [s.ll[0] / len(r.continuations[0]) for s, r in zip(stats, requests)]
+    np.testing.assert_allclose(gated_margins(evaluator, gates), exact, rtol=1e-4)
+    assert np.abs(run_screen("attribution", evaluator).scores()).max() > 0
+    with pytest.raises(ValueError, match="use the attribution screen"):
+        run_screen("attribution-flips", evaluator)
