@@ -4,8 +4,9 @@ remade once since, when the split rules changed on purpose (the holdout keeps du
 package wrote byte-identical sections for all four before that change.
 
 Every section the fixture has must come out identical to the byte (as JSON text), except what names the machine
-(library versions, the mirror's absolute path). Sections and settings added since are listed here, each with the
-change that added it; anything else new is an error, so an accidental change of the artifact shows up.
+(library versions, the mirror's absolute path, the sandbox's layers) and the values in CHANGED. Sections and
+settings added since are listed here, each with the change that added it; anything else new is an error, so an
+accidental change of the artifact shows up.
 """
 import json
 from pathlib import Path
@@ -24,10 +25,15 @@ ADDED_SETTINGS: dict = {}
 REMOVED_SETTINGS: dict = {}
 ADDED_HOLDOUT: set = set()
 ADDED_SECTIONS: dict = {}
+ADDED_RELIABILITY = {"power", "calibration", "verdict"}  # issue 13: power, the calibration baseline, the verdict
+# Values that changed on purpose, (section, key) -> the change: each must differ from the fixture's.
+CHANGED = {("model", "fingerprint"): "issue 16: the sha256 of every tensor (of the weight files, for checkpoints), "
+                                     "not of a strided sample that missed the weights between samples"}
+MACHINE_SECTIONS = ("versions", "sandbox")  # sandbox (issue 16): the layers MBPP code ran in, per machine and user
 
 
 def _machine_free(artifact: dict) -> dict:
-    artifact = {key: value for key, value in artifact.items() if key != "versions"}
+    artifact = {key: value for key, value in artifact.items() if key not in MACHINE_SECTIONS}
     artifact["data"] = {**artifact["data"], "splits": [{k: v for k, v in split.items() if k != "path"}
                                                        for split in artifact["data"]["splits"]]}
     return artifact
@@ -38,7 +44,9 @@ def test_artifacts_are_unchanged_by_refactors(task, tiny_models, data_dir, tmp_p
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("CEL_DATA_DIR", data_dir)
     run = run_cel(RunConfig(task=task, **SETTINGS), lm=tiny_models["llama"], progress=False)
-    new = _machine_free(json.loads(run.artifact.read_text()))
+    written = json.loads(run.artifact.read_text())
+    assert (written["sandbox"] is None) == (task != "mbpp")  # only MBPP runs code, and records where it ran
+    new = _machine_free(written)
     old = _machine_free(json.loads((FIXTURES / run.artifact.name).read_text()))
 
     assert {k: v for k, v in new["config"].items() if k not in old["config"]} == ADDED_SETTINGS
@@ -49,6 +57,11 @@ def test_artifacts_are_unchanged_by_refactors(task, tiny_models, data_dir, tmp_p
     old["config"] = {k: v for k, v in old["config"].items() if k not in REMOVED_SETTINGS}
     new["config"] = {k: v for k, v in new["config"].items() if k in old["config"]}
     new["holdout"] = {k: v for k, v in new["holdout"].items() if k in old["holdout"]}
+    assert set(new["reliability"]) - set(old["reliability"]) == ADDED_RELIABILITY
+    new["reliability"] = {k: v for k, v in new["reliability"].items() if k in old["reliability"]}
     assert list(new) == list(old)
+    for section, key in CHANGED:
+        assert new[section][key] != old[section][key], f"{section}.{key} was meant to change: {CHANGED[section, key]}"
+        new[section] = {**new[section], key: old[section][key]}
     for section in old:
         assert json.dumps(new[section], indent=1) == json.dumps(old[section], indent=1), section

@@ -25,7 +25,7 @@ def take(outcome: Outcome, indices: Sequence[int] | np.ndarray) -> Outcome:
     predictions = [outcome.predictions[i] for i in indices] if outcome.predictions else []
     return Outcome(item_ids=[outcome.item_ids[i] for i in indices], correct=outcome.correct[indices],
                    margin=outcome.margin[indices], metrics={name: v[indices] for name, v in outcome.metrics.items()},
-                   predictions=predictions)
+                   predictions=predictions, scores=None if outcome.scores is None else outcome.scores[indices])
 
 
 class OutcomeTable:

@@ -33,6 +33,7 @@ from cel_utils.models.heads import format_heads, head_set
 from cel_utils.search.algorithm import HoldoutResult, SearchResult, run_search
 from cel_utils.search.ranking import pool_subsets, rank_singles, score
 from cel_utils.search.screening import Screen
+from cel_utils.stats.power import discordant, power_json, verdict
 from cel_utils.stats.significance import (
     CI_STREAM,
     jaccard,
@@ -110,10 +111,11 @@ def _quantiles(values) -> dict[str, float]:
 
 def assess_run(search: SearchResult, holdout: HoldoutResult, discovery: OutcomeTable | Evaluator,
                holdout_evaluator: Evaluator, *, n_random_sets: int, n_resamples: int, resample: str = "bootstrap",
-               seed: int = 0) -> dict:
+               seed: int = 0, calibration: dict | None = None) -> dict:
     """Significance, winner's curse, random-set null and stability of one run, as the artifact stores them.
 
-    ``discovery`` should be the table the search ran on (then only the resampled pools' new subsets cost
+    ``calibration`` is the run's calibration baseline (:func:`cel_utils.stats.calibration.calibration_baseline`), stored
+    and weighed in the verdict. ``discovery`` should be the table the search ran on (then only the resampled pools' new subsets cost
     anything); a plain evaluator is wrapped, and then stage 1 is evaluated again.
     """
     timings: dict[str, float] = {}
@@ -121,11 +123,13 @@ def assess_run(search: SearchResult, holdout: HoldoutResult, discovery: OutcomeT
     table = discovery if isinstance(discovery, OutcomeTable) else OutcomeTable(discovery, known={(): search.full})
     frozen = head_set(holdout.heads)
     significance = paired_test(holdout.full.correct, holdout.ablated.correct, seed=[seed, CI_STREAM])
+    power = power_json(len(holdout.full.correct), discordant(holdout.full.correct, holdout.ablated.correct))
     result = {
         "significance": significance.to_json(),
         "winners_curse": {"discovery_gain_points": search.best.gain, "holdout_gain_points": holdout.gain,
                           "gap_points": search.best.gain - holdout.gain},
         "null": None, "stability": None,
+        "power": power, "calibration": calibration, "verdict": verdict(significance.to_json(), power, calibration),
     }
 
     searches, n_before = [], len(table.evaluated)

@@ -41,6 +41,9 @@ class Outcome:
     margin: np.ndarray  # > 0 means correct with room to spare; near 0 means a float tie
     metrics: dict[str, np.ndarray] = field(default_factory=dict)  # every metric's bool vector
     predictions: list = field(default_factory=list)  # chosen answer index, or generated code
+    # Multiple choice: each answer's score under the primary metric, [items, answers] (what a calibration baseline
+    # shifts); None for the other kinds.
+    scores: np.ndarray | None = None
 
     @property
     def accuracy(self) -> float:
@@ -63,7 +66,7 @@ def decide_choice(task: TaskSpec, requests: list[Request], stats: list[Continuat
     """Multiple choice (lm-eval's rule): the answer with the highest log-likelihood (``acc``), or the highest
     log-likelihood per character (``acc_norm``); the margin is gold's score minus the best other's."""
     metrics: dict[str, list[bool]] = {name: [] for name in task.all_metrics}
-    margins, predictions = [], []
+    margins, predictions, primaries = [], [], []
     for request, stat in zip(requests, stats):
         scores = {"acc": stat.ll, "acc_norm": stat.ll / np.asarray(request.choice_chars, dtype=np.float64)}
         for name in task.all_metrics:
@@ -72,9 +75,11 @@ def decide_choice(task: TaskSpec, requests: list[Request], stats: list[Continuat
         others = np.delete(primary, request.gold)
         margins.append(float(primary[request.gold] - others.max()))
         predictions.append(int(np.argmax(primary)))
+        primaries.append(primary)
     arrays = {name: np.array(values, dtype=bool) for name, values in metrics.items()}
     return Outcome(item_ids=[r.item_id for r in requests], correct=arrays[task.metric], margin=np.array(margins),
-                   metrics=arrays, predictions=predictions)
+                   metrics=arrays, predictions=predictions,
+                   scores=np.array(primaries) if primaries and len({len(x) for x in primaries}) == 1 else None)
 
 
 def greedy_margin(task: TaskSpec, request: Request, logits_per_answer: list[torch.Tensor]) -> torch.Tensor:

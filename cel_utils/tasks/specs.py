@@ -60,6 +60,10 @@ class TaskSpec:
     chat_doc_to_target: Callable[[dict], str] | None = None
     chat_prefix: str = ""
     chat_stop: str | None = None
+    # The cheapest fix of a response bias, the baseline an ablation's gain is compared with (cel_utils.stats.calibration):
+    # "answer" -> one additive offset per answer (BoolQ's no / yes); "length" -> one per answer-length bucket
+    # (HellaSwag's endings); None -> no baseline (greedy match and generation have no answers to shift).
+    calibration: str | None = None
 
     @property
     def all_metrics(self) -> tuple[str, ...]:
@@ -137,7 +141,7 @@ TASKS: dict[str, TaskSpec] = {
         doc_to_text=lambda doc: f"{doc['passage']}\nQuestion: {doc['question']}?\nAnswer:",
         doc_to_target=lambda doc: "yes" if doc["answer"] else "no", target_delimiter=" ",
         doc_to_choices=lambda doc: ["no", "yes"], doc_to_gold=lambda doc: int(doc["answer"]),
-        holdout_split="validation", discovery_split="train", paper_sizes=(2000, 3270),
+        holdout_split="validation", discovery_split="train", paper_sizes=(2000, 3270), calibration="answer",
     ),
     "hellaswag": TaskSpec(
         name="hellaswag", source=Source("Rowan/hellaswag", "hellaswag"), kind="choice", metric="acc_norm",
@@ -147,7 +151,7 @@ TASKS: dict[str, TaskSpec] = {
         doc_to_target=lambda doc: hellaswag_clean(doc["endings"][_hellaswag_gold(doc)]), target_delimiter=" ",
         doc_to_choices=lambda doc: [hellaswag_clean(ending) for ending in doc["endings"]],
         doc_to_gold=_hellaswag_gold, validate=_hellaswag_validate,
-        holdout_split="validation", discovery_split="train", paper_sizes=(2000, 10042),
+        holdout_split="validation", discovery_split="train", paper_sizes=(2000, 10042), calibration="length",
     ),
     "mbpp": TaskSpec(
         name="mbpp", source=Source("google-research-datasets/mbpp", "mbpp"), configs=("full",), kind="generate",

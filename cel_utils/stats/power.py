@@ -1,0 +1,82 @@
+"""What a holdout comparison could have detected, and the one-line verdict of a run.
+
+The paired test of a run (:func:`cel_utils.stats.significance.paired_test`) is the exact McNemar test: of the D items
+whose answer the ablation changed, it asks whether "helped" is a fair coin's share. Given D (as observed) and the
+holdout size n, a gain of g points means help - harm = g n / 100 among the D, i.e. P(help | changed) =
+(1 + g n / (100 D)) / 2. :func:`min_detectable_gain` is the smallest such gain that the two-sided test at level alpha
+rejects with the given power. When even "every changed item was helped" is not significant (D <= 5 at alpha = 0.05),
+no gain is detectable at that discordance: the comparison is underpowered.
+
+:func:`verdict` puts a run into one of: a significant gain, a significant loss, no effect larger than X points (X the
+detectable gain), or underpowered; and says whether the ablation beats the calibration baseline when there is one.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+from scipy import stats
+
+ALPHA = 0.05
+POWER = 0.8
+
+
+@lru_cache(maxsize=4096)
+def _rejection_region(n_discordant: int, alpha: float) -> tuple[int, ...]:
+    """Counts of helped items (out of ``n_discordant``) for which the exact two-sided McNemar test rejects."""
+    return tuple(x for x in range(n_discordant + 1)
+                 if stats.binomtest(x, n_discordant, 0.5, alternative="two-sided").pvalue <= alpha)
+
+
+def mcnemar_power(n_discordant: int, p_help: float, alpha: float = ALPHA) -> float:
+    """The probability that the exact test rejects when each changed item was helped with probability ``p_help``."""
+    region = _rejection_region(n_discordant, alpha)
+    return float(stats.binom.pmf(region, n_discordant, p_help).sum()) if region else 0.0
+
+
+def min_detectable_gain(n_items: int, n_discordant: int, *, alpha: float = ALPHA, power: float = POWER) -> float | None:
+    """The smallest gain in points the test detects with ``power`` at this size and discordance; None when none is."""
+    if n_discordant < 1 or mcnemar_power(n_discordant, 1.0, alpha) < power:
+        return None
+    low, high = 0.5, 1.0  # P(help | changed): the power rises with it (bisection on a monotone function)
+    for _ in range(50):
+        middle = (low + high) / 2
+        low, high = (middle, high) if mcnemar_power(n_discordant, middle, alpha) < power else (low, middle)
+    return 100.0 * n_discordant * (2 * high - 1) / n_items
+
+
+def power_json(n_items: int, n_discordant: int) -> dict:
+    """What the artifact stores about the power of a holdout comparison."""
+    mdg = min_detectable_gain(n_items, n_discordant)
+    return {"alpha": ALPHA, "power": POWER, "n_items": n_items, "n_discordant": n_discordant,
+            "min_detectable_gain_points": mdg}
+
+
+def verdict(significance: dict, power: dict, calibration: dict | None = None) -> dict:
+    """One line for a run: ``kind`` (gain, loss, no effect, underpowered) and ``text``."""
+    gain, p = significance["gain_points"], significance["p_value"]
+    ci = f"95% CI [{significance['ci_low']:+.1f}, {significance['ci_high']:+.1f}], p = {p:.2g}"
+    mdg = power["min_detectable_gain_points"]
+    if p <= power["alpha"]:
+        kind = "gain" if gain > 0 else "loss"
+        text = f"a significant {kind}: {gain:+.1f} points ({ci})"
+    elif mdg is None:
+        kind = "underpowered"
+        text = (f"underpowered: the ablation changed {power['n_discordant']} of {power['n_items']} holdout answers, too "
+                f"few for the test to detect any gain ({gain:+.1f} points observed)")
+    else:
+        kind = "no effect"
+        text = (f"no effect larger than {mdg:.1f} points either way ({gain:+.1f} observed, {ci}; a change of {mdg:.1f} "
+                f"points would be detected with {100 * power['power']:.0f}% power)")
+    if calibration:
+        versus = calibration["ablation_vs_calibration"]
+        better = versus["p_value"] <= power["alpha"] and versus["gain_points"] > 0
+        text += (f"; it {'beats' if better else 'does not beat'} the calibration baseline "
+                 f"({calibration['holdout_gain_points']:+.1f} points; ablation - calibration {versus['gain_points']:+.1f}, "
+                 f"p = {versus['p_value']:.2g})")
+    return {"kind": kind, "text": text}
+
+
+def discordant(full_correct, ablated_correct) -> int:
+    full, ablated = np.asarray(full_correct, bool), np.asarray(ablated_correct, bool)
+    return int((full != ablated).sum())
