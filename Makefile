@@ -10,7 +10,7 @@ export OMP_WAIT_POLICY := PASSIVE
 CEL_DATA_DIR ?= $(if $(wildcard ../shared/data/README.md),$(abspath ../shared/data),)
 export CEL_DATA_DIR
 
-.PHONY: book test browser benchmark clean
+.PHONY: book test browser system-python benchmark clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml
 book: $(VENV)/.installed
 	$(PY) -m cel_utils main
 
-test: $(VENV)/.installed browser
+test: $(VENV)/.installed browser system-python
 	$(PY) -m pytest
 
 # Headless Chromium for the book's browser test (Debian package; needs root, as in CI).
@@ -33,6 +33,13 @@ browser:
 	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
 	  { [ "$$(id -u)" = 0 ] && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) ; } || \
 	  echo "warning: chromium is not installed and could not be installed; the browser test will be skipped"
+
+# A Python that others may run, for the sandbox test that runs as a fresh ordinary user (the venv's interpreter may
+# sit under a 0700 /root). Debian package; needs root, as in CI.
+system-python:
+	@test -x /usr/bin/python3 || \
+	  { [ "$$(id -u)" = 0 ] && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 >/dev/null) ; } || \
+	  echo "warning: no /usr/bin/python3 and it could not be installed; the ordinary-user sandbox test may be skipped"
 
 benchmark: $(VENV)/.installed
 	$(PY) benchmarks/bench_engine.py

@@ -1,64 +1,160 @@
 """Run a table of hostile programs through the MBPP sandbox and print how each one ended.
 
-    python benchmarks/hostile_programs.py [--timeout 2]
+    python benchmarks/hostile_programs.py [--timeout 2] [--target DIR] [--json]
 
-Each program would pass its test (`assert True`, or a wrong `add` with real asserts for the cheats) if its
-attack worked, so every row must end as something other than "passed". tests/test_sandbox.py asserts the
-same programs (and more) in detail; this script prints the table for reports.
+Each program would pass its test if its attack worked (its test checks the damage, or is `assert True` after an
+attack that raises when refused), so every row must end as something other than "passed". The attacks on files
+aim at a sentinel file that this script writes into a fresh folder under --target (default: your home), a file
+you own outside the sandbox's working directory; the network attack at a listener this script opens on
+127.0.0.1. Afterwards the script checks that the sentinel is unchanged, nothing new appeared beside it, nothing
+connected, and (run as an ordinary user) that none of the programs left a process behind. One honest program
+runs first as a control: it must pass, or "not passed" below would mean nothing.
+
+The last row, a FIFO planted beside the sentinel, is the one attack the audit hook cannot see (os.mkfifo raises
+no audit event): only kernel layers stop it, so it passes where the sandbox has none of them (see the warning).
+Exit status 0 when no hostile program passed and every check held. tests/test_sandbox.py asserts most of these
+programs in detail as root; tests/test_sandbox_unprivileged.py runs this script as an ordinary user.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
+import socket
 import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
 
-from cel_utils.evaluation.sandbox import run_program
+from cel_utils.evaluation.sandbox import SandboxWarning, isolation_report, run_program
 
 WRONG_ADD = "def add(a, b):\n    return 0\n"
 ADD_TESTS = ["assert add(1, 2) == 3"]
-HOSTILE = [
-    ("infinite loop", "while True:\n    pass\n", ["assert True"]),
-    ("sleep forever", "import time\ntime.sleep(10**6)\n", ["assert True"]),
-    ("fork bomb", "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
-     ["assert True"]),
-    ("memory bomb (50 MiB chunks)", "chunks = []\nwhile True:\n    chunks.append(bytearray(50 << 20))\n",
-     ["assert True"]),
-    ("64 GiB allocation", "x = bytearray(64 << 30)\n", ["assert True"]),
-    ("recursion bomb", "def f():\n    return f()\nf()\n", ["assert True"]),
-    ("C-stack recursion bomb", "import sys\nsys.setrecursionlimit(10**8)\ndef f(n):\n    return max(map(f, [n + 1]))\n"
-     "f(0)\n", ["assert True"]),
-    ("print gigabytes", "import sys\nwhile True:\n    sys.stdout.write('x' * (1 << 20))\n", ["assert True"]),
-    ("network connection", "import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=1)\n",
-     ["assert True"]),
-    ("write outside workdir", "open('/etc/cel-pwned', 'w').write('x')\n", ["assert True"]),
-    ("delete outside workdir", "import os\nos.remove(os.path.expanduser('~/.bashrc'))\n", ["assert True"]),
-    # its parent as it sees it, then this script by pid (outside a pid namespace that is the real parent's parent)
-    ("kill its parent", f"import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos.kill({os.getpid()}, signal.SIGKILL)\n",
-     ["assert True"]),
-    ("os._exit(0) before asserts", WRONG_ADD + "import os\nos._exit(0)\n", ADD_TESTS),
-    ("sys.exit(0) before asserts", WRONG_ADD + "import sys\nsys.exit(0)\n", ADD_TESTS),
-    ("patch builtins.AssertionError", WRONG_ADD + "import builtins\nbuiltins.AssertionError = "
-     "type('Nope', (Exception,), {})\n", ADD_TESTS),
-    ("patch builtins.exec", WRONG_ADD + "import builtins\nbuiltins.exec = lambda *a, **k: None\n", ADD_TESTS),
-    ("atexit os._exit(0)", WRONG_ADD + "import atexit, os\natexit.register(lambda: os._exit(0))\n", ADD_TESTS),
-    ("trace hook exits 0", WRONG_ADD + "import sys\ndef t(frame, event, arg):\n    raise SystemExit(0)\n"
-     "sys.settrace(t)\n", ADD_TESTS),
-]
+CONTROL = ("control: an honest add", "def add(a, b):\n    return a + b\n", ADD_TESTS)
+HOOK_BLIND = "plant a FIFO beside it (no audit event)"
+
+
+def hostile_programs(sentinel: Path, port: int) -> list[tuple[str, str, list[str]]]:
+    """(name, program, tests) for each attack; `sentinel` is the file to attack, `port` a listener to reach."""
+    target, planted, fifo = str(sentinel), str(sentinel.parent / "planted"), str(sentinel.parent / "fifo")
+    ok = ["assert True"]
+
+    def exists(path: str, negate: bool = False) -> list[str]:
+        return [f"assert {'not ' if negate else ''}__import__('os').path.exists({path!r})"]
+    return [
+        ("infinite loop", "while True:\n    pass\n", ok),
+        ("sleep forever", "import time\ntime.sleep(10**6)\n", ok),
+        ("fork bomb", "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n", ok),
+        ("memory bomb (50 MiB chunks)", "chunks = []\nwhile True:\n    chunks.append(bytearray(50 << 20))\n", ok),
+        ("64 GiB allocation", "x = bytearray(64 << 30)\n", ok),
+        ("recursion bomb", "def f():\n    return f()\nf()\n", ok),
+        ("C-stack recursion bomb", "import sys\nsys.setrecursionlimit(10**8)\n"
+         "def f(n):\n    return max(map(f, [n + 1]))\nf(0)\n", ok),
+        ("print gigabytes", "import sys\nwhile True:\n    sys.stdout.write('x' * (1 << 20))\n", ok),
+        ("connect to a local listener", "import socket\n"
+         f"s = socket.create_connection(('127.0.0.1', {port}), timeout=1)\ns.sendall(b'pwned')\n", ok),
+        ("overwrite a file you own", f"open({target!r}, 'w').write('pwned')\n",
+         [f"assert open({target!r}).read() == 'pwned'"]),
+        ("delete a file you own", f"import os\nos.remove({target!r})\n", exists(target, negate=True)),
+        ("plant a file beside it", f"open({planted!r}, 'w').write('x')\n", exists(planted)),
+        # harmless in itself, but with CAP_SYS_ADMIN it could remount the filesystem writable or undo any other layer
+        ("keep capabilities", "status = open('/proc/self/status').read()\n",
+         ["assert int(status.split('CapEff:')[1].split()[0], 16) != 0"]),
+        # its parent as it sees it, then this script by pid (outside a pid namespace that is the real parent's parent)
+        ("kill its parent", "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n"
+         f"os.kill({os.getpid()}, signal.SIGKILL)\n", ok),
+        ("os._exit(0) before asserts", WRONG_ADD + "import os\nos._exit(0)\n", ADD_TESTS),
+        ("sys.exit(0) before asserts", WRONG_ADD + "import sys\nsys.exit(0)\n", ADD_TESTS),
+        ("patch builtins.AssertionError", WRONG_ADD + "import builtins\nbuiltins.AssertionError = "
+         "type('Nope', (Exception,), {})\n", ADD_TESTS),
+        ("patch builtins.exec", WRONG_ADD + "import builtins\nbuiltins.exec = lambda *a, **k: None\n", ADD_TESTS),
+        ("atexit os._exit(0)", WRONG_ADD + "import atexit, os\natexit.register(lambda: os._exit(0))\n", ADD_TESTS),
+        ("trace hook exits 0", WRONG_ADD + "import sys\ndef t(frame, event, arg):\n    raise SystemExit(0)\n"
+         "sys.settrace(t)\n", ADD_TESTS),
+        (HOOK_BLIND, f"import os\nos.mkfifo({fifo!r})\n", exists(fifo)),
+    ]
+
+
+def own_processes() -> set[int]:
+    """Our uid's processes other than this one (for root: none counted, other users' work runs as root too)."""
+    if os.geteuid() == 0:
+        return set()
+    mine = set()
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and int(entry) != os.getpid() and os.stat(f"/proc/{entry}").st_uid == os.geteuid():
+                mine.add(int(entry))
+        except OSError:
+            pass  # ended meanwhile
+    return mine
+
+
+def run_suite(target_root: Path, timeout_s: float) -> dict:
+    """Every program of `hostile_programs` through the sandbox, and the checks of the module docstring."""
+    folder = Path(tempfile.mkdtemp(prefix="cel-hostile-", dir=target_root))
+    sentinel = folder / "sentinel.txt"
+    sentinel.write_text("original")
+    stamp = sentinel.stat().st_mtime_ns
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.setblocking(False)
+    before = own_processes()
+    rows = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", SandboxWarning)
+            for name, program, tests in [CONTROL, *hostile_programs(sentinel, listener.getsockname()[1])]:
+                r = run_program(program, tests, timeout_s=timeout_s, memory_mb=256, cache=False)
+                time.sleep(0.1)  # a process that outlives the run has had time to show up
+                rows.append({"program": name, "status": r.status, "passed": r.passed, "seconds": r.duration_s,
+                             "protections": list(r.protections), "left_behind": len(own_processes() - before),
+                             "note": r.stderr.splitlines()[-1] if r.stderr else ""})
+            report = isolation_report()
+        try:
+            listener.accept()
+            connected = True
+        except BlockingIOError:
+            connected = False
+        checks = {"sentinel_untouched": sentinel.exists() and sentinel.read_text() == "original"
+                  and sentinel.stat().st_mtime_ns == stamp,
+                  "planted": sorted(p.name for p in folder.iterdir() if p != sentinel), "connected": connected}
+    finally:
+        listener.close()
+        shutil.rmtree(folder, ignore_errors=True)
+    issued = sum(issubclass(w.category, SandboxWarning) for w in caught)
+    return {"uid": os.geteuid(), "timeout_s": timeout_s, "rows": rows, "checks": checks, "warning": report["warning"],
+            "warnings_issued": issued}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--timeout", type=float, default=2.0, help="wall-clock limit per program, seconds")
+    parser.add_argument("--target", type=Path, default=Path.home(),
+                        help="folder in which to make the sentinel's folder (default: your home)")
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON object instead")
     args = parser.parse_args(argv)
-    print(f"uid {os.geteuid()}; timeout {args.timeout:g} s, memory 256 MiB\n")
-    print("| program | status | passed | seconds | protections |\n|---|---|---|---|---|")
-    passed = 0
-    for name, program, tests in HOSTILE:
-        r = run_program(program, tests, timeout_s=args.timeout, memory_mb=256, cache=False)
-        passed += r.passed
-        print(f"| {name} | {r.status} | {r.passed} | {r.duration_s:.2f} | {','.join(r.protections)} |", flush=True)
-    print(f"\n{passed} of {len(HOSTILE)} hostile programs passed (must be 0); this script (pid {os.getpid()}) is alive")
-    return int(passed > 0)
+    if not args.target.is_dir():
+        parser.error(f"--target {args.target} is not a folder: pass one you own, outside /tmp")
+    result = run_suite(args.target, args.timeout)
+    hostile = result["rows"][1:]
+    checks = result["checks"]
+    held = checks["sentinel_untouched"] and not checks["planted"] and not checks["connected"]
+    failed = sum(r["passed"] for r in hostile) + (not result["rows"][0]["passed"]) + (not held)
+    if args.json:
+        print(json.dumps(result))
+        return int(failed > 0)
+    print(f"uid {result['uid']}; timeout {args.timeout:g} s, memory 256 MiB\n")
+    print("| program | status | passed | seconds | left behind | protections |\n|---|---|---|---|---|---|")
+    for r in result["rows"]:
+        print(f"| {r['program']} | {r['status']} | {r['passed']} | {r['seconds']:.2f} | {r['left_behind']} | "
+              f"{','.join(r['protections'])} |")
+    print(f"\n{sum(r['passed'] for r in hostile)} of {len(hostile)} hostile programs passed (must be 0); "
+          f"checks: {result['checks']}; this script (pid {os.getpid()}) is alive")
+    print(f"warning: {result['warning']}" if result["warning"] else "no warning: kernel layers guard everything")
+    return int(failed > 0)
 
 
 if __name__ == "__main__":

@@ -92,14 +92,21 @@ def holdout_table(artifact: dict) -> pd.DataFrame:
 
 
 def holdout_sentence(artifact: dict) -> str:
-    """One Markdown sentence with the run's result, and :func:`selection_note` when it applies."""
+    """One Markdown sentence with the run's result, and :func:`selection_note` and :func:`sandbox_note` when they
+    apply."""
     h = artifact["holdout"]
     sentence = (f"On **{h['n_items']}** held-out items, ablating **{h['heads_label']}** moves {artifact['task']['metric']} "
                 f"**{transition_text(h['full_accuracy'], h['ablated_accuracy'], h['gain_points'])}** "
                 f"(relative error reduction {rer_text(h['relative_error_reduction'])}): "
                 f"{h['help']} item(s) went wrong -> right and {h['harm']} right -> wrong.")
-    note = selection_note(artifact)
-    return f"{sentence}\n\n{note}" if note else sentence
+    return "\n\n".join(part for part in (sentence, selection_note(artifact), sandbox_note(artifact)) if part)
+
+
+def sandbox_note(artifact: dict) -> str:
+    """A warning when the run's model-written code (MBPP) ran in a sandbox with only best-effort layers somewhere
+    (:func:`cel_utils.evaluation.sandbox.isolation_report`, stored by the run); empty otherwise."""
+    warning = (artifact.get("sandbox") or {}).get("warning")
+    return f"**Warning: best-effort sandbox.** This run executed model-written code, and {warning}." if warning else ""
 
 
 def tied_at_top(artifact: dict) -> tuple[int, int]:

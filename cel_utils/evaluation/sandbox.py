@@ -15,29 +15,47 @@ candidate), in its own session, with these layers:
   env-scrubbed     nothing inherited (tokens, proxies, PYTHON*)            -
   no-new-privs     setuid binaries cannot hand privileges back             -
   pdeathsig        the worker dies if its supervisor dies                  -
-  netns            no network: a namespace with only a down loopback       root
-  mntns            private mounts, and with them private-tmp: a fresh      root
-                   tmpfs on /tmp, /var/tmp, /dev/shm, /run/lock
-  pidns            the worker is pid 1 of its own pid namespace: nothing   root
+  userns           without root: a user namespace mapping our uid to       not root, and a kernel that lets
+                   itself, inside which the namespaces below are made      users make one (userns below)
+  netns            no network: a namespace with only a down loopback       root or userns
+  mntns            private mounts, and with them private-tmp: a fresh      root or userns
+                   tmpfs on /tmp, /var/tmp, /dev/shm and /run (sockets:
+                   the session bus, docker, databases)
+  pidns            the worker is pid 1 of its own pid namespace: nothing   root or userns
                    outside is visible or signalable, and everything it
                    started dies with it; with it private-proc
-  ipcns, utsns     no shared SysV IPC, no hostname changes                 root
+  ipcns, utsns     no shared SysV IPC, no hostname changes                 root or userns
   uid-nobody       runs as `nobody`: cannot touch our files or signal our  root, and Python readable by nobody
                    processes, and RLIMIT_NPROC applies (root ignores it)   (see below)
-  audit-guard      only when netns or uid-nobody is missing: a PEP 578     -
+  read-only-root   every mount read-only but the private tmpfs's (the      userns, mntns
+                   workdir is one): as our own uid, the candidate could
+                   otherwise change any file we own
+  no-caps          the capabilities the user namespace gave are dropped    userns
+                   before the candidate runs (they could undo the above)
+  audit-guard      whenever uid-nobody or netns is missing: a PEP 578      -
                    hook refusing sockets, subprocesses, fork, kill,
                    ctypes and file changes outside the workdir
 
-`ExecResult.protections` records which were active in each run. Without root only the "-" rows remain: the
-candidate runs as our own uid and the audit hook, best effort and not a security boundary, is all that stands
-between it and our files, processes and network. As root without a mount namespace, a Python installed under a
+`ExecResult.protections` records which were active in each run. Without root, where the kernel lets ordinary
+users create user namespaces (`unshare -Urn true` works; so on most current distributions), the namespaces are
+made inside one (`_sandbox_isolation.py` says how): the candidate still runs as our uid, so read-only mounts, not
+file permissions, keep it off our files; it can read what we can read (our home), with no network to send it
+anywhere. Where user namespaces are refused (or switched off with CEL_SANDBOX_DISABLE=userns) only the "-" rows
+remain: the candidate runs as our own uid and the audit hook, best effort and not a security boundary, is all that
+stands between it and our files, processes and network. `unguarded` names what only the hook protects; the first
+such run of a process warns, and `isolation_report()` is what a run records in its artifact and shows on its page.
+We do our own unshare() and mounts (ctypes, as root already did) rather than calling bubblewrap: `bwrap` is often
+not installed where researchers run (cluster nodes, laptops) and cannot be installed without root, while every
+layer here degrades on its own where a kernel refuses it (bwrap refuses to start instead).
+As root without a mount namespace, a Python installed under a
 directory others cannot enter (pyenv in a 0700 /root, as on our dev machine) leaves no uid drop possible; with
 one, that directory is covered by an empty tmpfs and only the Python directories are bound back, in the
 sandbox's view only. Without a pid namespace, a grandchild that calls setsid() escapes the final group kill (it
-keeps the CPU limit). RLIMIT_NPROC counts all of nobody's processes on the machine, so many parallel sandboxes
-share those 16. Memory is bounded per process only (RLIMIT_AS); there are no cgroups.
-`CEL_SANDBOX_DISABLE=netns,mntns,pidns,ipcns,utsns,uid` (any subset) switches root-only layers off, to test
-the degraded paths.
+keeps the CPU limit). RLIMIT_NPROC counts all of nobody's processes on the machine (in a user namespace, those
+of the namespace), so parallel sandboxes as root share those 16. Memory is bounded per process only (RLIMIT_AS);
+there are no cgroups.
+`CEL_SANDBOX_DISABLE=userns,netns,mntns,pidns,ipcns,utsns,uid,audit` (any subset) switches layers off, to test
+the degraded paths (userns matters only without root, uid only as root) and the kernel layers without the hook.
 
 Statuses (`ExecResult.status`); only "passed" has `passed=True`:
   passed        setup, program and every test ran, and the harness reported it with this run's secret
@@ -53,7 +71,8 @@ The last line of `stderr` is a "[sandbox] <status>: <why>" note, e.g. which test
 How cheating is scored. Exit status 0 never counts. A pass is the harness's verdict line "<secret> passed",
 where the secret is 128 random bits made per run and handed over on stdin (which the candidate then finds
 empty). The harness writes it only after the last test returned, into a pipe the candidate cannot read back
-(root-owned; reopening it through /proc is refused to nobody), and checks first that the fd is still that pipe;
+(root-owned; reopening it through /proc is refused to nobody; in a user namespace the candidate owns it, which
+gives it no more than the frames below do), and checks first that the fd is still that pipe;
 the supervisor keeps the first line carrying the secret and ignores everything else. The harness then leaves
 with os._exit, so atexit handlers never run. Before the candidate runs, the harness binds exec, os.write,
 os._exit and the exception classes; before each test it restores the builtins module and the namespace's
@@ -81,6 +100,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -91,13 +111,15 @@ from typing import Any
 
 from cel_utils.paths import atomic_write, cache_dir
 
-SANDBOX_VERSION = "1"  # bump when a change could alter any result: it is part of the cache key
-LAYERS = ("netns", "mntns", "pidns", "ipcns", "utsns", "uid")  # what CEL_SANDBOX_DISABLE may name
+SANDBOX_VERSION = "2"  # bump when a change could alter any result: it is part of the cache key
+LAYERS = ("userns", "netns", "mntns", "pidns", "ipcns", "utsns", "uid", "audit")  # what CEL_SANDBOX_DISABLE may name
 STATUSES = ("passed", "failed", "exception", "syntax_error", "early_exit", "timeout", "killed", "error")
 TAIL_BYTES = 4000   # how much of stdout/stderr a result keeps
 GRACE_S = 5.0       # on top of timeout_s before we stop waiting for the supervisor itself
 _CHILD = Path(__file__).with_name("_sandbox_child.py")
 _CHILD_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+# What model-written code must be kept away from, and the kernel layers that do it (any one of them suffices).
+GUARDS = {"network": ("netns",), "files": ("uid-nobody", "read-only-root"), "processes": ("pidns", "uid-nobody")}
 
 
 @dataclass(frozen=True)
@@ -144,6 +166,62 @@ def run_many(jobs: Iterable[Mapping[str, Any]], workers: int = 2, **kw: Any) -> 
     """
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(lambda job: run_program(**{**kw, **job}), jobs))
+
+
+# --- how isolated is the sandbox here? -----------------------------------------------------------------------------
+
+class SandboxWarning(UserWarning):
+    """Model-written code runs with only best-effort protection of something (see `unguarded`)."""
+
+
+def unguarded(protections: Iterable[str]) -> list[str]:
+    """What of GUARDS no kernel layer among `protections` protects: only the best-effort audit hook does."""
+    have = set(protections)
+    return [what for what, layers in GUARDS.items() if not have.intersection(layers)]
+
+
+def isolation_warning(protections: Sequence[str]) -> str | None:
+    """The warning a user gets when `protections` leave something to the audit hook alone; None when they do not."""
+    missing = unguarded(protections)
+    if not missing:
+        return None
+    named = missing[0] if len(missing) == 1 else f"{', '.join(missing[:-1])} and {missing[-1]}"
+    return (f"the MBPP sandbox cannot isolate your {named} from the model-written code it runs: only a "
+            "best-effort audit hook, which is not a security boundary, stands in. Run as root, or as a user allowed to "
+            "create user namespaces (`unshare -Urn true` must work), to get the kernel layers "
+            f"(layers here: {', '.join(protections) or 'none'}; see cel_utils/evaluation/sandbox.py)")
+
+
+_warned: set[tuple[str, ...]] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_once(protections: tuple[str, ...]) -> None:
+    """Warn about best-effort isolation once per process and set of layers, not once per program."""
+    text = isolation_warning(protections)
+    with _warned_lock:
+        if text is None or protections in _warned:
+            return
+        _warned.add(protections)
+    warnings.warn(text, SandboxWarning, stacklevel=4)
+
+
+_reports: dict[tuple[int, str], dict] = {}
+
+
+def isolation_report() -> dict:
+    """The layers a sandbox gets here, as this user with this CEL_SANDBOX_DISABLE, from one empty program run
+    uncached (once per process): {"protections": [...], "unguarded": [...], "warning": text or None}. A run
+    records it in its artifact, and its page shows the warning."""
+    key = (os.geteuid(), os.environ.get("CEL_SANDBOX_DISABLE", ""))
+    if key not in _reports:
+        probe = run_program("", cache=False)
+        if probe.status != "passed":  # not remembered: the next call tries again
+            return {"protections": [], "unguarded": list(GUARDS),
+                    "warning": f"the MBPP sandbox failed to run an empty program: {probe.stderr.splitlines()[-1]}"}
+        _reports[key] = {"protections": list(probe.protections), "unguarded": unguarded(probe.protections),
+                         "warning": isolation_warning(probe.protections)}
+    return _reports[key]
 
 
 # --- cache ----------------------------------------------------------------------------------------------------------
@@ -236,6 +314,8 @@ def _execute(program: str, tests: list[str], setup: str, timeout_s: float, memor
             record = _read_report(report.read(), secret)
             status, returncode, note = _judge(record, backstop, proc.returncode, timeout_s)
             protections = tuple(record["layers"]) if record else ()
+            if record and record["ready"]:
+                _warn_once(protections)
             stderr = _tail(err)
             stderr += ("\n" if stderr and not stderr.endswith("\n") else "") + f"[sandbox] {status}: {note}"
             return ExecResult(status, status == "passed", returncode, round(duration, 4), _tail(out), stderr,

@@ -50,7 +50,8 @@ class LoadedModel:
 
     @property
     def fingerprint(self) -> str:
-        return model_fingerprint(self.model)
+        """What the evaluation store is keyed by: see :func:`model_fingerprint`."""
+        return model_fingerprint(self.model, self.source)
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -97,7 +98,7 @@ def embedded_gguf(spec: str = DEFAULT_MODEL) -> Path:
     raise FileNotFoundError(f"{dist_name} is installed but has no file {file_name}")
 
 
-@lru_cache(maxsize=8)
+@lru_cache(maxsize=256)  # GGUF files and every shard of a checkpoint's weights
 def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -205,20 +206,26 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str | torch.device = "auto"
     location, source = locate(spec)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
+    pinned = {}  # a hub model is loaded at the commit its fingerprint names, even if the repository moves meanwhile
+    if source["kind"] == "hub" and (commit := _hub_commit(spec)):
+        source, pinned = {**source, "revision": commit}, {"revision": commit}
+    stamps = _stamps(weight_files(Path(location))) if source["kind"] == "local" else None
     try:
-        config = AutoConfig.from_pretrained(location)
+        config = AutoConfig.from_pretrained(location, **pinned)
     except OSError as error:
         raise FileNotFoundError(
             f"cannot load model spec {spec!r} ({error}): check the spelling of the hub id (it must exist and be "
             "readable, `hf auth login` for gated models) and that the hub is reachable; offline, pass a local "
             f"checkpoint directory. Model specs are {SPEC_FORMS}") from error
     architecture(config)  # fail before reading gigabytes of weights
-    kwargs = {"dtype": dtype}
+    kwargs = {"dtype": dtype, **pinned}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(location, **kwargs).to(device).eval()
     model.requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(location)
+    if stamps is not None and (weights := checkpoint_sha256(Path(location), stamps)):
+        source = {**source, "weights_sha256": weights}
+    tokenizer = AutoTokenizer.from_pretrained(location, **pinned)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return LoadedModel(model=model, tokenizer=tokenizer, geometry=head_geometry(model), spec=spec, name=display_name(spec),
@@ -242,15 +249,74 @@ def random_model(family: str = "llama", size: str = "tiny", *, tokenizer=None, s
                        device=device, dtype=dtype, source={"kind": "random", "family": family, "size": size, "seed": seed})
 
 
-def model_fingerprint(model: nn.Module) -> str:
-    """A cheap, stable hash of config and weights: a strided sample of every tensor, not all bytes."""
-    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+# What from_pretrained reads weights from: safetensors or PyTorch pickles, whole or sharded with an index.
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model*.bin.index.json")
+
+
+def weight_files(folder: Path) -> list[Path]:
+    return sorted({path for pattern in WEIGHT_FILES for path in folder.glob(pattern) if path.is_file()})
+
+
+def _stamps(files: list[Path]) -> list[tuple[str, int, int]]:
+    return [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+
+
+def checkpoint_sha256(folder: Path, stamps: list[tuple[str, int, int]]) -> str | None:
+    """One sha256 over the names and contents of a checkpoint folder's weight files; None when it has none.
+
+    `stamps` are the files' names, sizes and mtimes taken before the model was read: if anything changed since
+    (another process rewriting the folder), the hash might not be of the weights loaded, and loading fails.
+    """
+    files = weight_files(folder)
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(f"{path.name}\0{file_sha256(path)}\n".encode())  # each file hashed once per process
+    if _stamps(files) != stamps:
+        raise RuntimeError(f"the weight files in {folder} changed while the model was being loaded from them; "
+                           "load it again once nothing writes to that folder")
+    return digest.hexdigest() if files else None
+
+
+def _hub_commit(repo_id: str) -> str | None:
+    """The commit a hub repository's default branch points to (offline: the one cached last); None if unknown."""
+    from huggingface_hub import resolve_revision
+
+    for local_only in (False, True):
+        try:
+            return resolve_revision(repo_id, local_files_only=local_only).resolved
+        except Exception:  # unreachable hub, unknown or gated repo: loading reports that better, or works offline
+            continue
+    return None
+
+
+def tensors_sha256(model: nn.Module) -> str:
+    """sha256 of every byte of every tensor, with names, dtypes and shapes (models that have no files)."""
+    digest = hashlib.sha256()
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
-            flat = tensor.detach().reshape(-1)
-            step = max(1, flat.numel() // 4096)
-            sample = flat[::step].to("cpu", torch.float32).contiguous()
-            digest.update(name.encode())
-            digest.update(str(tuple(tensor.shape)).encode())
-            digest.update(sample.numpy().tobytes())
+            digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\n".encode())
+            digest.update(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def model_fingerprint(model: nn.Module, source: dict | None = None) -> str:
+    """The key of a model's stored evaluations: sha256 of its config and of what its weights are.
+
+    The weights are named by content, so that a folder rewritten in place gets a new key: the sha256 of a
+    checkpoint folder's weight files (taken when it was loaded, ``source["weights_sha256"]``), of the GGUF file
+    the default model and ``.gguf`` specs are made from (``source["sha256"]``), the hub commit a hub model was
+    loaded at (``source["revision"]``), or else, for models without files (``random:``), of every tensor.
+    80 bits are kept: enough that two different models never share a key by accident.
+    """
+    source = source or {}
+    if source.get("weights_sha256"):
+        weights = f"files:{source['weights_sha256']}"
+    elif source.get("kind") in ("gguf", "embedded-gguf") and source.get("sha256"):
+        weights = f"gguf:{source['sha256']}"
+    elif source.get("kind") == "hub" and source.get("revision"):
+        weights = f"hub:{source['id']}@{source['revision']}"
+    else:
+        weights = f"tensors:{tensors_sha256(model)}"
+    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    digest.update(weights.encode())
     return digest.hexdigest()[:20]

@@ -12,6 +12,7 @@ import numpy as np
 from cel_utils.config import RunConfig
 from cel_utils.evaluation.evaluator import Evaluator, NaiveEvaluator
 from cel_utils.evaluation.outcomes import OutcomeTable
+from cel_utils.evaluation.sandbox import isolation_report
 from cel_utils.evaluation.store import EvalStore
 from cel_utils.models.heads import HeadGeometry, format_heads
 from cel_utils.models.loading import LoadedModel, load_model
@@ -132,5 +133,7 @@ def build_artifact(config: RunConfig, lm: LoadedModel, data: TaskData, search: S
                     "examples": examples or []},  # cel_utils.pipeline.examples: what the run page shows
         "n_interventions_evaluated": search.n_evaluated,
         "reliability": reliability,  # cel_utils.stats.reliability.assess_run; None when not assessed
+        # the layers MBPP's code ran in here (a run page warns when some were best effort); None: no code ran
+        "sandbox": isolation_report() if data.task.kind == "generate" else None,
         "versions": library_versions(),
     }
