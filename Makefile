@@ -10,7 +10,7 @@ export OMP_WAIT_POLICY := PASSIVE
 CEL_DATA_DIR ?= $(if $(wildcard ../shared/data/README.md),$(abspath ../shared/data),)
 export CEL_DATA_DIR
 
-.PHONY: book test browser system-python benchmark clean
+.PHONY: book test browser system-python benchmark clean publish
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -41,8 +41,14 @@ system-python:
 	  { [ "$$(id -u)" = 0 ] && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 >/dev/null) ; } || \
 	  echo "warning: no /usr/bin/python3 and it could not be installed; the ordinary-user sandbox test may be skipped"
 
+# Publish the built book (make book first) to the gh-pages branch of REMOTE, a remote name or URL, with ghp-import:
+#   make publish REMOTE=origin
+publish:
+	@test -n "$(REMOTE)" || { echo "usage: make publish REMOTE=<git remote name or URL>" >&2; exit 2; }
+	$(PY) -m cel_utils.book.publish --remote "$(REMOTE)" --site _build/html
+
 benchmark: $(VENV)/.installed
 	$(PY) benchmarks/bench_engine.py
 
 clean:
-	rm -rf _build book/runs book/theory book/results.md _toc.yml results
+	rm -rf _build book/runs book/theory book/results.md results

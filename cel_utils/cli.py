@@ -4,7 +4,7 @@
     main       grid with the default preset, then book
     book       theory notebooks + aggregate + toc + `jupyter-book build . -W -n --keep-going`
     aggregate  turn the JSON artifacts into the results page (book/results.md)
-    toc        write _toc.yml from _toc.template.yml and the executed notebooks
+    toc        print the committed table of contents and the executed notebooks its globs pick up
     strategies the search strategies compared on (model, task, seed) cells (not part of main: costly on a CPU)
     export     write a run's frozen ablation as a standard Hugging Face checkpoint
     list       the tasks, presets and model families this version knows
@@ -90,7 +90,7 @@ def _book_arguments(parser: argparse.ArgumentParser) -> None:
     b = parser.add_argument_group("book")
     b.add_argument("--theory", choices=("reuse", "run", "skip"), default="reuse",
                    help="theory notebooks: reuse (default: execute when missing or out of date), run (always), skip")
-    b.add_argument("--no-build", action="store_true", help="generate the pages and _toc.yml, skip jupyter-book")
+    b.add_argument("--no-build", action="store_true", help="generate the pages, skip jupyter-book")
 
 
 def _paths(args):
@@ -140,9 +140,13 @@ def cmd_aggregate(args) -> int:
 
 
 def cmd_toc(args) -> int:
-    from cel_utils.book.build import write_toc
+    from cel_utils.book.build import toc_summary
 
-    print(f"table of contents: {write_toc(_paths(args))}")
+    try:
+        print(toc_summary(_paths(args)))
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -161,7 +165,8 @@ def cmd_book(args) -> int:
     for page in build.run_pages(paths):
         retitle(page)
     cmd_aggregate(args)
-    cmd_toc(args)
+    if cmd_toc(args) != 0:
+        return 2
     if args.no_build:
         return status
     print("building: " + " ".join(build.jupyter_book_command(paths.root)), flush=True)
@@ -283,7 +288,7 @@ def parser() -> argparse.ArgumentParser:
         "main": ("grid with the default preset, then book", cmd_main, [_grid_arguments, _path_arguments, _book_arguments]),
         "book": ("theory notebooks, results page, toc, and jupyter-book build", cmd_book, [_path_arguments, _book_arguments]),
         "aggregate": ("write the results page from the artifacts", cmd_aggregate, [_path_arguments]),
-        "toc": ("write _toc.yml from the template and the executed notebooks", cmd_toc, [_path_arguments]),
+        "toc": ("print the table of contents and the executed notebooks it picks up", cmd_toc, [_path_arguments]),
         "strategies": ("compare search strategies on (model, task, seed) cells; executes notebooks/cel_strategies.ipynb",
                        cmd_strategies, [_strategies_arguments, _path_arguments]),
         "export": ("write a run's frozen ablation as a standard Hugging Face checkpoint", cmd_export, [_export_arguments]),

@@ -1,37 +1,67 @@
-"""The book end to end, in a temporary copy: `python -m cel_utils main` on a tiny grid, then the built HTML,
-checked as files and (marked `browser`) in headless Chromium."""
+"""The book end to end, in a temporary copy: the theory notebooks (small parameters) and `python -m cel_utils main` on a
+tiny grid, then the built HTML, checked as files and (marked `browser`) in headless Chromium with no network: offline,
+and served from a sub-path as GitHub Pages serves a project site. Also: the book with no runs at all, and publishing."""
+import functools
 import html
+import http.server
 import os
 import re
 import shutil
 import subprocess
+import sys
+import threading
 from pathlib import Path
 
+import papermill
 import pytest
+import yaml
+from browser import CHROMIUM, chromium, visit
 
 from cel_utils.cli import main
+from cel_utils.config import RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
 MIRROR = Path(os.environ.get("CEL_DATA_DIR") or REPO.parent / "shared" / "data")
 DATA_DIR = str(MIRROR) if MIRROR.is_dir() else None
 RUN = "random-llama-tiny__arithmetic_2da__seed0"
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+PAGES = {"results": "book/results.html", "run": f"book/runs/{RUN}.html",
+         "derivation": "book/theory/theory_derivation.html", "simulation": "book/theory/theory_simulation.html",
+         "reading group": "book/reading_group.html"}
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="needs headless Chromium (apt-get install -y chromium; "
+                                                             "`make test` installs it when run as root)")
+
+
+def book_root(root: Path) -> Path:
+    """A book root with the committed pages and configuration, and no runs."""
+    for name in ("_config.yml", "_toc.yml"):
+        shutil.copy(REPO / name, root / name)
+    shutil.copytree(REPO / "_static", root / "_static")
+    shutil.copytree(REPO / "book", root / "book", ignore=shutil.ignore_patterns("runs", "theory", "strategies",
+                                                                               "results.md"))
+    shutil.copytree(REPO / "data", root / "data")
+    return root
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """A small book: the committed pages, one tiny run, no theory notebooks (they have their own tests)."""
-    root = tmp_path_factory.mktemp("book")
-    for name in ("_config.yml", "_toc.template.yml"):
-        shutil.copy(REPO / name, root / name)
-    (root / "book").mkdir()
-    for page in ("intro.md", "method.md", "theory.md", "beyond.md"):
-        shutil.copy(REPO / "book" / page, root / "book" / page)
-    shutil.copytree(REPO / "data", root / "data")
+    """A small book: the committed pages, one tiny run, both theory notebooks executed with small parameters."""
+    root = book_root(tmp_path_factory.mktemp("book"))
+    theory = root / "book" / "theory"
+    theory.mkdir()
+    small = {"theory_derivation": {}, "theory_simulation": {"seeds": 300, "steps": 2000}}
+    for name, parameters in small.items():
+        papermill.execute_notebook(str(REPO / "notebooks" / f"{name}.ipynb"), str(theory / f"{name}.ipynb"),
+                                   parameters=parameters, progress_bar=False, cwd=str(root))
     args = ["main", "--root", str(root), "--models", "random:llama:tiny", "--tasks", "arithmetic_2da",
             "--preset", "smoke", "--engine", "naive", "--theory", "skip"] + (["--data-dir", DATA_DIR] if DATA_DIR else [])
     assert main(args) == 0
     return root / "_build" / "html"
+
+
+def text_of(fragment: str) -> str:
+    """The visible text of an HTML fragment, whitespace collapsed."""
+    fragment = re.sub(r"<(script|style)\b.*?</\1>", "", fragment, flags=re.S)
+    return " ".join(html.unescape(re.sub(r"<[^>]+>", " ", fragment)).split())
 
 
 def test_book_builds_with_warnings_as_errors(built):
@@ -42,39 +72,162 @@ def test_book_builds_with_warnings_as_errors(built):
     run_page = (built / "book" / "runs" / f"{RUN}.html").read_text()
     assert "<title>CEL run: random-llama-tiny on arithmetic_2da (seed 0)" in run_page
     sidebar = (built / "book" / "intro.html").read_text()
-    assert "random-llama-tiny on arithmetic_2da (seed 0)" in sidebar  # the toc's explicit title
+    assert "random-llama-tiny on arithmetic_2da (seed 0)" in sidebar  # found by the toc's glob, titled by the page
+    for page in ("reading_group", "related", "glossary", "theory/theory_derivation", "theory/theory_simulation"):
+        assert f'href="{page}.html"' in sidebar, page
 
 
-def text_of(fragment: str) -> str:
-    """The visible text of an HTML fragment, whitespace collapsed."""
-    return " ".join(html.unescape(re.sub(r"<[^>]+>", "", fragment)).split())
+def test_results_page_shows_the_papers_twelve_cells(built):
+    page = text_of((built / "book" / "results.html").read_text())
+    section = page[page.index("The paper’s Table 1"):]
+    assert len(re.findall(r"\d+\.\d\d -> \d+\.\d\d \(\+\d+\.\d\d\), \d+\.\d\d%", section)) == 12
+    assert "70.40 -> 83.50 (+13.10), 44.26%" in section and "75.75 -> 77.05 (+1.29), 5.32%*" in section
 
 
-def dump_dom(page: Path, profile: Path) -> str:
-    command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-               "--disable-background-networking", "--disable-component-update", "--disable-sync",
-               f"--user-data-dir={profile}", "--dump-dom", page.as_uri()]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
+def test_prose_numbers_come_from_the_data_and_the_code(built):
+    from cel_utils.book.facts import book_facts
+
+    facts = book_facts(REPO)
+    intro = text_of((built / "book" / "intro.html").read_text())
+    assert f"from {facts['paper_best_full']}% to {facts['paper_best_ablated']}%" in intro and "{{" not in intro
+    beyond = text_of((built / "book" / "beyond.html").read_text())
+    assert f"the cpu preset {facts['cpu_random_sets']} random sets and {facts['cpu_resamples']} resamples" in beyond
+    method = text_of((built / "book" / "method.html").read_text())
+    cpu = RunConfig.from_dict({"task": "boolq", "preset": "cpu"})
+    assert f"cpu boolq {cpu.n_discovery:,} {cpu.n_holdout:,} {cpu.p} {cpu.k}" in method and "{{" not in method
+    simulation = text_of((built / "book" / "theory" / "theory_simulation.html").read_text())
+    assert re.search(r"carried by one head in \d+\.\d ?% of the seeds", simulation)  # computed, not typed
+    assert "about 95%" not in simulation
+    derivation = text_of((built / "book" / "theory" / "theory_derivation.html").read_text())
+    assert "Thm 4.3 after deleting the U-only head, R_A -> 0" in derivation
+
+
+def test_site_references_nothing_outside_itself(built):
+    outside = {}
+    for page in built.rglob("*.html"):
+        found = re.findall(r'<(?:script|link|img|iframe)\b[^>]*\b(?:src|href)="((?:https?:)?//[^"]+)"', page.read_text())
+        if found:
+            outside[page.relative_to(built).as_posix()] = found
+    assert not outside
+    assert (built / "_static" / "plotly" / "plotly.min.js").stat().st_size > 1_000_000
+    assert (built / "_static" / "mathjax" / "tex-chtml.js").is_file()
+    simulation = (built / "book" / "theory" / "theory_simulation.html").read_text()
+    assert '_static/plotly/plotly.min.js' in simulation and '_static/mathjax/tex-chtml.js' in simulation
+    assert '_static/plotly/plotly.min.js' not in (built / "book" / "method.html").read_text()  # only where needed
+
+
+def test_a_book_with_no_runs_strategies_or_theory_builds(tmp_path):
+    root = book_root(tmp_path)
+    assert main(["book", "--root", str(root), "--theory", "skip"]) == 0
+    intro = (root / "_build" / "html" / "book" / "intro.html").read_text()
+    assert "No runs yet" in (root / "_build" / "html" / "book" / "results.html").read_text()
+    assert "runs/" not in re.sub(r'href="(?!book/runs/)[^"]*"', "", intro)
+
+
+def test_publish_pushes_the_site_to_gh_pages_of_a_local_bare_repository(built, tmp_path):
+    bare, work = tmp_path / "remote.git", tmp_path / "work"
+    git = functools.partial(subprocess.run, check=True, capture_output=True, text=True)
+    git(["git", "init", "--bare", "-q", str(bare)])
+    git(["git", "init", "-q", str(work)])
+    shutil.copytree(built, work / "_build" / "html")
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.org", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@example.org"}
+    done = subprocess.run(["make", "-s", "-C", str(work), "-f", str(REPO / "Makefile"), "publish", f"REMOTE={bare}",
+                           f"PY={sys.executable}"], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    files = git(["git", "--git-dir", str(bare), "ls-tree", "-r", "--name-only", "gh-pages"]).stdout.split()
+    assert {"index.html", ".nojekyll", "_static/plotly/plotly.min.js", f"book/runs/{RUN}.html"} <= set(files)
+    again = subprocess.run(["make", "-s", "-C", str(work), "-f", str(REPO / "Makefile"), "publish", f"REMOTE={bare}",
+                            f"PY={sys.executable}"], capture_output=True, text=True, env=env)
+    assert again.returncode == 0, again.stderr  # publishing again replaces the branch
+    assert git(["git", "--git-dir", str(bare), "rev-list", "--count", "gh-pages"]).stdout.strip() == "1"
+    missing = subprocess.run(["make", "-s", "-C", str(work), "-f", str(REPO / "Makefile"), "publish",
+                              f"PY={sys.executable}"], capture_output=True, text=True, env=env)
+    assert missing.returncode != 0 and "REMOTE=" in missing.stderr
+
+
+def test_pages_workflow_builds_the_book_and_deploys_it():
+    workflow = yaml.safe_load((REPO / ".github" / "workflows" / "pages.yml").read_text())
+    build, deploy = workflow["jobs"]["build"], workflow["jobs"]["deploy"]
+    commands = " ".join(step.get("run", "") for step in build["steps"])
+    assert "cel_utils main" in commands
+    uses = [step.get("uses", "") for step in build["steps"]] + [step.get("uses", "") for step in deploy["steps"]]
+    assert any(u.startswith("actions/upload-pages-artifact") for u in uses)
+    assert any(u.startswith("actions/deploy-pages") for u in uses) and deploy["needs"] == "build"
+    upload = next(s for s in build["steps"] if s.get("uses", "").startswith("actions/upload-pages-artifact"))
+    assert upload["with"]["path"] == "_build/html"
+    assert workflow["permissions"]["pages"] == "write" and workflow["permissions"]["id-token"] == "write"
+
+
+# --- in a browser, with no network -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def browser_ws(tmp_path_factory):
+    if CHROMIUM is None:
+        pytest.skip("needs headless Chromium (apt-get install -y chromium)")
+    with chromium(tmp_path_factory.mktemp("chromium-profile")) as ws:
+        yield ws
+
+
+def report_line(name: str, report) -> str:
+    p = report.probe
+    return (f"{name:14s} math {p['math_rendered']}/{p['math_source']} typeset, figures {p['figures_drawn'] and p['figures']}"
+            f"/{p['figures']} drawn, console errors {len(report.console_errors)}, failed requests "
+            f"{len(report.failed_requests)}, requests off the site {len(report.offsite('file://'))}")
 
 
 @pytest.mark.browser
-@pytest.mark.skipif(CHROMIUM is None, reason="needs headless Chromium (apt-get install -y chromium)")
-def test_results_table_and_heatmap_in_chromium(built, tmp_path):
-    dom = dump_dom(built / "book" / "results.html", tmp_path / "profile")
-    tables = re.findall(r"<table.*?</table>", dom, flags=re.S)
-    assert len(tables) == 4  # our Table 1, every run, is the gain real, the paper's reference
-    text = text_of(tables[0])
-    assert "random-llama-tiny" in text and "arithmetic_2da (acc)" in text
-    assert re.search(r"\d+\.\d -> \d+\.\d \([+-]\d+\.\d\), (-?\d+\.\d%|n/a)", text)
-    assert "70.40 -> 83.50 (+13.10), 44.26%" in text_of(tables[3])
+@needs_chromium
+def test_offline_pages_render_math_and_figures_without_errors(built, browser_ws):
+    lines = []
+    for name, page in PAGES.items():
+        report = visit(browser_ws, (built / page).as_uri(), hover_heatmap=(name == "run"))
+        lines.append(report_line(name, report))
+        assert report.console_errors == [], (name, report.console_errors)
+        assert report.failed_requests == [] and report.offsite("file://") == [], (name, report.failed_requests)
+        assert report.probe["math_rendered"] == report.probe["math_source"] and report.probe["math_errors"] == 0, name
+        assert all(ok for _, ok in report.probe["images"]), (name, report.probe["images"])
+        if name in ("derivation", "simulation"):
+            assert report.probe["math_rendered"] > 20, name  # MathJax typeset the page's formulas
+        if name in ("run", "simulation"):
+            assert report.probe["figures"] == 1 and report.probe["figures_drawn"] >= 1, name  # plotly drew its SVG
+        if name == "run":
+            hover = report.extra["hover"]
+            assert re.search(r"L\d+\.H\d+discovery gain [+-]\d+\.\d\d pointsharm \d+, help \d+", hover), hover
+        if name == "results":
+            assert "70.40 -> 83.50 (+13.10), 44.26%" in text_of((built / page).read_text())
+    print("\noffline browser check (headless Chromium, no network):\n" + "\n".join(lines))
 
-    dom = dump_dom(built / "book" / "runs" / f"{RUN}.html", tmp_path / "profile")
-    assert "CEL run: random-llama-tiny on arithmetic_2da (seed 0)" in text_of(dom)
-    sources = re.findall(r'<img[^>]*\bsrc="([^"]+)"', dom)
-    images = [s for s in sources if s.startswith("data:image/") or s.endswith(".png")]
-    assert images, f"no heat map image among {sources}"
-    if not images[0].startswith("data:"):
-        png = (built / "book" / "runs" / images[0]).resolve()
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_site_served_from_a_sub_path_loads_every_page_and_asset(built, browser_ws, tmp_path):
+    """GitHub Pages serves a project site under /<repo>/: every page, and everything each page loads, must resolve."""
+    served = tmp_path / "www"
+    served.mkdir()
+    (served / "cel-book").symlink_to(built, target_is_directory=True)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(served)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}/cel-book/"
+    try:
+        pages = sorted(p.relative_to(built).as_posix() for p in built.rglob("*.html")
+                       if not p.relative_to(built).as_posix().startswith(("_static/", "_sources/")))
+        loaded, broken = 0, {}
+        for page in pages:
+            report = visit(browser_ws, base + page)
+            loaded += len(report.requests)
+            problems = report.failed_requests + report.console_errors + report.offsite(base)
+            problems += [link for link in report.probe["links"] if link.startswith(f"http://127.0.0.1:{server.server_address[1]}/")
+                         and not link.startswith(base)]  # a link that escapes the sub-path
+            if problems:
+                broken[page] = problems
+        assert not broken, broken
+        assert "book/results.html" in pages and f"book/runs/{RUN}.html" in pages and loaded > 10 * len(pages)
+        print(f"\nserved under /cel-book/: {len(pages)} pages, {loaded} requests, none failed")
+    finally:
+        server.shutdown()

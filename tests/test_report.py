@@ -1,6 +1,7 @@
 """Aggregation and per-run tables from hand-made artifacts (no model), the paper reference, and the toc."""
-import csv
 import math
+import re
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -84,7 +85,6 @@ def test_results_page_links_runs_that_have_a_page(tmp_path):
     assert "mirror (no train split: discovery drawn from validation)" in text
     assert text.index("arithmetic_2da") < text.index("boolq")  # tasks in the paper's order
     assert "70.40 -> 83.50 (+13.10), 44.26%" in text
-    assert text.count("not transcribed") >= 11
 
 
 def test_results_page_without_runs(tmp_path):
@@ -92,20 +92,72 @@ def test_results_page_without_runs(tmp_path):
     assert "No runs yet" in page.read_text()
 
 
-def test_paper_table_holds_one_transcribed_figure_and_marks_the_rest():
-    rows = list(csv.DictReader(open(REPO / "data" / "paper_table1.csv", newline="")))
-    cells = {(r["model"], r["task"]) for r in rows}
-    assert cells == {(m, t) for m in results_page.PAPER_MODELS for t in results_page.TASK_ORDER}
-    transcribed = [r for r in rows if r["status"] == "transcribed"]
-    assert [(r["model"], r["task"]) for r in transcribed] == [("SmolLM3-3B", "arithmetic")]
-    row = transcribed[0]
-    full, ablated, rer = float(row["full_accuracy"]), float(row["ablated_accuracy"]), float(row["relative_error_reduction"])
-    assert (full, ablated, rer) == (70.40, 83.50, 44.26)
-    assert round(100 * (ablated - full) / (100 - full), 2) == rer
+PAPER_README = REPO.parent / "shared" / "paper" / "README.md"
+PAPER_COLUMNS = {"SmolLM3-3B": 1, "Qwen2.5-3B-Instruct": 2, "Llama-3.2-3B-Instruct": 3}  # in the paper's table
+
+
+def _paper_rows() -> list[dict]:
+    return results_page.read_paper_table(REPO / "data" / "paper_table1.csv")
+
+
+def test_paper_table_has_all_twelve_cells_consistent_with_their_printed_figures():
+    rows = _paper_rows()
+    assert {(r["model"], r["task"]) for r in rows} == {(m, t) for m in results_page.PAPER_MODELS
+                                                       for t in results_page.TASK_ORDER}
+    assert len(rows) == 12
     for r in rows:
-        if r["status"] != "transcribed":
-            assert r["status"] == "not transcribed" and not r["full_accuracy"] and not r["ablated_accuracy"]
-            assert results_page.paper_cell(r) == "not transcribed"
+        full, ablated, gain = float(r["full_accuracy"]), float(r["ablated_accuracy"]), float(r["gain_points"])
+        assert abs((ablated - full) - gain) <= 0.01 + 1e-9, r  # printed gains are ablated - full up to count rounding
+    # The two printed relative error reductions are the column's extremes and the formula reproduces them.
+    printed = {(r["model"], r["task"]): float(r["relative_error_reduction"]) for r in rows if r["relative_error_reduction"]}
+    assert printed == {("SmolLM3-3B", "arithmetic"): 44.26, ("SmolLM3-3B", "mbpp"): 3.23}
+    rers = {(r["model"], r["task"]): results_page.paper_rer(r) for r in rows}
+    for cell, value in printed.items():
+        assert rers[cell] == (value, False)
+    computed = [value for value, was_computed in rers.values() if was_computed]
+    assert len(computed) == 10 and all(3.23 <= value <= 44.26 for value in computed)
+    by_cell = {(r["model"], r["task"]): r for r in rows}
+    assert results_page.paper_cell(by_cell[("SmolLM3-3B", "arithmetic")]) == "70.40 -> 83.50 (+13.10), 44.26%"
+    # printed gain 1.29 although 77.05 - 75.75 = 1.30; relative error reduction computed and marked
+    assert results_page.paper_cell(by_cell[("SmolLM3-3B", "hellaswag")]) == "75.75 -> 77.05 (+1.29), 5.32%\\*"
+
+
+def _readme_table1() -> dict:
+    """The paper README's Table 1, parsed: {(model, task): (full, ablated, gain, rer or None)}."""
+    pattern = re.compile(r"([\d.]+) -> ([\d.]+) \(\+([\d.]+)\), ([\d.]+)%(\*?)")
+    cells = {}
+    for line in PAPER_README.read_text().splitlines():
+        parts = [part.strip() for part in line.strip().strip("|").split("|")]
+        if len(parts) != 4 or parts[0].lower() not in results_page.TASK_ORDER:
+            continue
+        for model, column in PAPER_COLUMNS.items():
+            match = pattern.fullmatch(parts[column])
+            assert match, parts[column]
+            full, ablated, gain, rer, star = match.groups()
+            cells[(model, parts[0].lower())] = (float(full), float(ablated), float(gain), None if star else float(rer),
+                                                float(rer))
+    return cells
+
+
+@pytest.mark.skipif(not PAPER_README.exists(), reason=f"the paper's documents are not beside the checkout ({PAPER_README})")
+def test_paper_table_transcription_matches_the_papers_table():
+    table = _readme_table1()
+    assert len(table) == 12
+    for row in _paper_rows():
+        full, ablated, gain, printed_rer, any_rer = table[(row["model"], row["task"])]
+        assert (float(row["full_accuracy"]), float(row["ablated_accuracy"]), float(row["gain_points"])) == (full, ablated, gain)
+        assert (float(row["relative_error_reduction"]) if row["relative_error_reduction"] else None) == printed_rer
+        rer, computed = results_page.paper_rer(row)
+        assert computed == (printed_rer is None) and round(rer, 2) == any_rer  # what the page shows, computed or printed
+
+
+def test_results_page_shows_the_papers_twelve_cells(tmp_path):
+    page = results_page.write_results_page(tmp_path / "no-results", tmp_path / "results.md",
+                                           paper_table=REPO / "data" / "paper_table1.csv").read_text()
+    section = page[page.index("## The paper's Table 1"):]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "->" in line]
+    assert len(rows) == 4 and all(line.count("->") == 3 for line in rows)
+    assert section.count("\\*") == 10 and "Can Capability Enhancement Be Localized to Specific Attention Heads?" in section
 
 
 def test_run_tables_from_an_artifact():
@@ -140,24 +192,39 @@ def test_selection_note_flags_ties_and_searches_that_found_nothing():
     assert run_page.holdout_sentence(art).endswith(note)
 
 
-def test_heatmap_puts_each_gain_in_its_cell():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from cel_utils.book import plots
+def test_heatmap_puts_each_gain_in_its_cell_and_marks_pool_and_frozen_heads():
+    from cel_utils.book import interactive, plots
 
     art = make_artifact()
     gains = plots.stage1_gains(art)
     assert gains.shape == (2, 3)
     assert gains[1, 2] == 25.0 and gains[0, 1] == -25.0 and gains[0, 0] == 0.0
-    fig = plots.stage1_heatmap(art)
-    mesh = fig.axes[0].collections[0]
-    assert mesh.norm.vmin == -25.0 and mesh.norm.vmax == 25.0  # symmetric: zero is the centre colour
-    labels = sorted(t.get_text() for t in fig.axes[0].texts)
-    assert labels == ["1", "2"]  # pool ranks
-    import matplotlib.pyplot as plt
+    figure = interactive.stage1_heatmap_figure(art)
+    heatmap = figure.figure.data[0]
+    assert heatmap.z[1][2] == 25.0
+    assert [list(row) for row in heatmap.text] == [["2", "", ""], ["", "", "1"]]  # pool ranks where the pool heads are
+    assert heatmap.customdata[1][2][0] == "L1.H2" and list(heatmap.customdata[0][1][1:3]) == [1, 0]  # id; harm, help
+    assert "FROZEN" in heatmap.customdata[0][0][4] and "pool rank 2" in heatmap.customdata[0][0][4]
+    outlined = {(s.x0 + 0.5, s.y0 + 0.5) for s in figure.figure.layout.shapes}
+    assert outlined == {(0, 0), (2, 1)}  # the frozen heads L0.H0 and L1.H2 (x = head, y = layer)
+    bundle = figure._repr_mimebundle_()
+    assert "plotly-graph-div" in bundle["text/html"] and "<script src" not in bundle["text/html"]  # nothing fetched
+    assert set(bundle) == {"text/html", "text/plain"} and len(bundle["text/plain"]) < 200
 
-    plt.close(fig)
+
+def test_heatmap_colours_are_not_washed_out_by_a_few_very_harmful_heads():
+    from cel_utils.book.interactive import NEUTRAL, colour_limits
+
+    step = 100 / 80  # one of 80 discovery items
+    gains = np.array([1.25, 2.5] + [0.0] * 90 + [-1.25] * 5 + [-40.0, -45.0, -50.0, -60.0])
+    limits = colour_limits(gains, step)
+    assert limits.high == 2.5  # the best head gets the deepest blue, whatever the negative side holds
+    assert -5 < limits.low < 0 and limits.clipped == 4  # the four catastrophic heads are clipped, and counted
+    # white sits at zero, and the +1.25 head is half-way up the positive side (a symmetric +-60 scale: 1/48 of it)
+    assert limits.colourscale()[2] == [limits.zero_at, NEUTRAL] and 0 < limits.zero_at < 1
+    assert (1.25 - limits.low) / (limits.high - limits.low) == pytest.approx(limits.zero_at + 0.5 * (1 - limits.zero_at))
+    nothing_helps = colour_limits(np.array([0.0, -2.5, 0.0]), step)
+    assert nothing_helps.high == step and nothing_helps.low <= -step  # each side at least one item wide
 
 
 def _flip_table(predictions_full, predictions_ablated, docs, task):
@@ -193,30 +260,48 @@ def test_flip_examples_show_choices_and_code():
     assert "white-space: pre-wrap" in html
 
 
-def test_toc_lists_run_pages_with_titles_and_theory_sections(tmp_path):
-    (tmp_path / "_toc.template.yml").write_text((REPO / "_toc.template.yml").read_text())
-    runs, theory, failed = tmp_path / "book" / "runs", tmp_path / "book" / "theory", tmp_path / "results" / "failed"
-    for folder in (runs, theory, failed):
+def test_committed_toc_globs_pick_up_run_theory_and_strategy_pages(tmp_path):
+    shutil.copy(REPO / "_toc.yml", tmp_path / "_toc.yml")
+    book = tmp_path / "book"
+    runs, theory, failed = book / "runs", book / "theory", tmp_path / "results" / "failed"
+    for folder in (runs, theory, failed, book / "strategies"):
         folder.mkdir(parents=True)
     (runs / "Qwen2.5-3B-Instruct__boolq__seed1.ipynb").write_text("{}")
     (runs / "m__arithmetic__seed0.ipynb").write_text("{}")
+    (runs / ".m__boolq__seed0.abc.ipynb").write_text("{}")  # a staging file being written: never a page
     (failed / "bad__boolq__seed0.ipynb").write_text("{}")
     paths = BookPaths(root=tmp_path)
-    toc = toc_dict(paths)
-    parts = {p["caption"]: p for p in toc["parts"]}
-    assert parts["Runs"]["chapters"] == [
-        {"file": "book/runs/Qwen2.5-3B-Instruct__boolq__seed1.ipynb", "title": "Qwen2.5-3B-Instruct on boolq (seed 1)"},
-        {"file": "book/runs/m__arithmetic__seed0.ipynb", "title": "m on arithmetic (seed 0)"},
-    ]
+    parts = {p["caption"]: p for p in toc_dict(paths)["parts"]}
+    assert parts["Runs"]["chapters"] == [{"file": "book/runs/Qwen2.5-3B-Instruct__boolq__seed1.ipynb"},
+                                         {"file": "book/runs/m__arithmetic__seed0.ipynb"}]
     assert parts["Theory"]["chapters"] == [{"file": "book/theory"}]  # no executed theory notebooks yet
-    assert "generated" not in yaml.safe_dump(toc)
+    assert "sections" not in next(c for c in parts["CEL"]["chapters"] if c["file"] == "book/beyond")
+    assert "glob" not in yaml.safe_dump(toc_dict(paths))
 
+    (theory / "theory_simulation.ipynb").write_text("{}")
     (theory / "theory_derivation.ipynb").write_text("{}")
     for page in runs.glob("*.ipynb"):
         page.unlink()
     toc = toc_dict(paths)
-    assert [p["caption"] for p in toc["parts"]] == ["CEL", "Theory"]  # an empty Runs part is dropped
-    assert toc["parts"][1]["chapters"][0]["sections"] == [{"file": "book/theory/theory_derivation.ipynb"}]
+    assert "Runs" not in [p["caption"] for p in toc["parts"]]  # an empty part disappears
+    theory_part = next(p for p in toc["parts"] if p["caption"] == "Theory")
+    assert theory_part["chapters"][0]["sections"] == [{"file": "book/theory/theory_derivation.ipynb"},
+                                                      {"file": "book/theory/theory_simulation.ipynb"}]
+    with pytest.raises(ValueError, match="runs pages must be in"):
+        toc_dict(BookPaths(root=tmp_path, runs_dir=tmp_path / "elsewhere" / "runs"))
+
+
+def test_committed_toc_lists_every_committed_page():
+    toc = yaml.safe_load((REPO / "_toc.yml").read_text())
+    listed = {toc["root"]} | {entry["file"] for entry in _toc_entries(toc["parts"]) if "file" in entry}
+    committed = {f"book/{p.stem}" for p in (REPO / "book").glob("*.md") if p.name != "results.md"} | {"book/results"}
+    assert committed <= listed, committed - listed
+    assert {entry["glob"] for entry in _toc_entries(toc["parts"]) if "glob" in entry} == {
+        "book/runs/*", "book/strategies/*", "book/theory/*"}
+
+
+def _toc_entries(entries: list[dict]) -> list[dict]:
+    return [e for entry in entries for e in [entry] + _toc_entries(entry.get("chapters", []) + entry.get("sections", []))]
 
 
 def test_run_title():

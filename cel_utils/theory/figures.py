@@ -57,3 +57,40 @@ def plot_sweep(sweep: pd.DataFrame, axes=None):
     ax.set_xlabel(r"$\alpha$")
     ax.legend(frameon=False)
     return axes
+
+
+def sweep_figure(sweep: pd.DataFrame):
+    """:func:`plot_sweep`'s three panels as an interactive figure (hover gives each alpha's values); returns an
+    :class:`~cel_utils.book.interactive.OfflineFigure`, which the book shows without fetching plotly.js."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    from cel_utils.book.interactive import OfflineFigure
+
+    alpha = sweep["alpha"]
+    reference = sweep["median loser ratio"].iloc[0] * (alpha / alpha.iloc[0]) ** 4
+    panels = [
+        ("runner-up / winner (median)", [("median runner-up / winner", sweep["median loser ratio"], "circle"),
+                                         ("∝ α⁴ (reference)", reference, None)]),
+        ("fraction of seeds", [("not localized", 1 - sweep["localized"], "circle"), ("P(E)", sweep["P(E)"], "square")]),
+        ("effect of deleting U's winner, on E", [("ΔR_A / t²", sweep["dR_A on E / t^2"], "circle"),
+                                                 ("ΔR_B / 3t²", sweep["dR_B on E / t^2"] / 3, "square")]),
+    ]
+    figure = make_subplots(rows=1, cols=3, subplot_titles=[title for title, _ in panels], horizontal_spacing=0.08)
+    for col, (_, curves) in enumerate(panels, start=1):
+        for name, values, symbol in curves:
+            figure.add_trace(go.Scatter(
+                x=alpha, y=values, name=name, legendgroup=str(col),
+                mode="lines+markers" if symbol else "lines", marker={"symbol": symbol or "circle"},
+                line={"dash": "dot"} if symbol is None else {},
+                hovertemplate=f"{name}<br>α = %{{x:g}}<br>%{{y:.3g}}<extra></extra>"), row=1, col=col)
+        figure.update_xaxes(type="log", title_text="α (initial scale)", row=1, col=col)
+    figure.update_yaxes(type="log", row=1, col=1)
+    for col, levels in ((2, [(4 / 9, "4/9")]), (3, [(-1, "limit −1"), (1, "limit +1")])):
+        for level, label in levels:
+            figure.add_hline(y=level, line={"color": "grey", "dash": "dot", "width": 1}, annotation_text=label,
+                             annotation_position="top left", row=1, col=col)
+    figure.update_layout(title={"text": "Localization against the initial scale α"}, height=440,
+                         legend={"orientation": "h", "y": -0.25}, margin={"t": 80, "b": 40},
+                         hovermode="closest")
+    return OfflineFigure(figure)
