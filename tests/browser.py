@@ -171,7 +171,7 @@ async def _hover_heatmap(s: _Session) -> str:
     box = await s.evaluate("""(() => {
       const div = document.querySelector('.plotly-graph-div');
       div.scrollIntoView({block: 'center'});
-      const z = div.data[0].z;
+      const z = div._fullData[0].z;  // decoded (plotly may ship the data base64-encoded)
       let best = [0, 0];
       for (let i = 0; i < z.length; i++) for (let j = 0; j < z[i].length; j++)
         if (z[i][j] !== null && (z[best[0]][best[1]] === null || z[i][j] > z[best[0]][best[1]])) best = [i, j];

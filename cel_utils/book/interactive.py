@@ -130,12 +130,12 @@ def stage1_heatmap_figure(artifact: dict, quantile: float = CLIP_QUANTILE) -> Of
                  if limits.clipped else "no head clipped")
     figure.update_layout(
         title={"text": f"{artifact['model']['name']} on {artifact['task']['name']}: one head ablated at a time<br>"
-                       f"<sup>numbers = pool rank, black box = frozen set {artifact['frozen']['label']}; "
+                       f"<sup>numbers = pool rank, black box = frozen set {artifact['frozen']['label']}<br>"
                        f"{clip_note}</sup>", "font": {"size": 14}},
         xaxis={"title": "query head", "dtick": 1 if n_heads <= 16 else 2, "showgrid": False},
         yaxis={"title": "layer", "autorange": "reversed", "dtick": 1 if n_layers <= 16 else 2, "showgrid": False},
         plot_bgcolor="#d9d9d9",  # cells not scored (a screened stage 1) show as grey gaps
-        height=max(320, 18 * n_layers + 160), width=max(420, 34 * n_heads + 260),
-        margin={"l": 60, "r": 20, "t": 80, "b": 50},
+        height=max(340, 18 * n_layers + 180), width=max(560, 34 * n_heads + 260),
+        margin={"l": 60, "r": 20, "t": 100, "b": 50},
     )
     return OfflineFigure(figure)
