@@ -8,6 +8,7 @@ from cel_utils.evaluation.evaluator import NaiveEvaluator
 from cel_utils.models.heads import HeadId
 from cel_utils.models.plumbing import base_model, capture_layer_outputs, start_at_layer
 from cel_utils.models.random_models import FAMILIES
+from cel_utils.evaluation.prefix import sliding_window
 from cel_utils.tasks.splits import load_task_data
 
 TIE = 1e-4  # |margin| below this is a float tie: either decision is right
@@ -96,3 +97,17 @@ def test_generation_stacks_interventions_without_changing_outputs(tiny_models, d
     naive = NaiveEvaluator(lm, data.task, data.discovery, max_new_tokens=6, progress=False)
     engine = EngineEvaluator(lm, data.task, data.discovery, max_new_tokens=6, batch_size=8, progress=False)
     assert engine.evaluate(interventions) == naive.evaluate(interventions)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_shared_few_shot_prefix_is_computed_once_per_head_set_with_the_same_decisions(tiny_models, data_dir, family):
+    lm = tiny_models[family]
+    data = load_task_data("arithmetic_2da", 4, 3, seed=0, num_fewshot=3, data_dir=data_dir)
+    interventions = _interventions(lm.geometry)
+    reference = NaiveEvaluator(lm, data.task, data.discovery, data.fewshot, progress=False).evaluate(interventions)
+    for batch_size, budget in [(4, 4096), (2, 64)]:
+        engine = EngineEvaluator(lm, data.task, data.discovery, data.fewshot, batch_size=batch_size,
+                                 token_budget=budget, progress=False)
+        windowed = sliding_window(lm) is not None  # sliding-window attention (gemma3, mistral): not reused
+        assert (len(engine.prefix) >= 32) != windowed and all(len(r.tokens) < 32 for r in engine.rows) != windowed
+        assert_same_decisions(reference, engine.evaluate(interventions))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from cel_utils.book.run_page import run_stem, significance, tied_at_top
+from cel_utils.book.run_page import power_of, run_stem, significance, tied_at_top, verdict_of
 from cel_utils.book.strategies_page import strategies_section
 from cel_utils.book.text import ci_text, md_table, p_text, provenance_text, rer_text, transition_text
 from cel_utils.paths import atomic_write
@@ -49,7 +49,7 @@ def summarize(artifacts: list[dict], runs_dir: Path | None = None) -> pd.DataFra
         })
     columns = ["task", "model", "seed", "metric", "n_discovery", "n_holdout", "p", "k", "full", "ablated", "gain_points",
                "holdout", "rel_error_reduction", "heads", "data", "engine", "stem", "page", "ci", "p_value",
-               "null_text", "curse_text", "stability_text"]
+               "null_text", "curse_text", "stability_text", "verdict", "stage1", "power_text", "calibration_text"]
     table = pd.DataFrame(rows, columns=columns)
     if table.empty:
         return table
@@ -61,8 +61,16 @@ def _reliability_columns(art: dict) -> dict:
     """Text cells for the results page from a run's significance, null, winner's curse and stability."""
     sig, rel = significance(art), art.get("reliability") or {}
     null, curse, stab = rel.get("null"), rel.get("winners_curse"), rel.get("stability")
-    tied = tied_at_top(art)[0]
+    tied, power, verdict, cal = tied_at_top(art)[0], power_of(art), verdict_of(art), rel.get("calibration")
+    method = art.get("stage1_method") or {"method": "exact"}
     return {
+        "verdict": verdict["text"] if verdict else "n/a",
+        "stage1": "exact" if method["method"] == "exact" else f"{method['screen']}, m = {method['keep']}",
+        "power_text": ("n/a" if power is None else "none detectable" if power["min_detectable_gain_points"] is None
+                       else f"{power['min_detectable_gain_points']:.1f} points"),
+        "calibration_text": (f"{cal['holdout_gain_points']:+.1f} (ablation - calibration "
+                             f"{cal['ablation_vs_calibration']['gain_points']:+.1f}, p = "
+                             f"{p_text(cal['ablation_vs_calibration']['p_value'])})" if cal else "n/a"),
         "ci": ci_text(sig), "p_value": sig["p_value"] if sig else float("nan"),
         "null_text": (f"{null['percentile']:.0f}th pct of {null['n_sets']} (p = {p_text(null['p_value'])})"
                       if null else "not run"),
@@ -116,6 +124,14 @@ def results_markdown(artifacts: list[dict], paper_rows: list[dict], runs_dir: Pa
         out += ["```{note}", "No runs yet. Run `python -m cel_utils grid` (or `python -m cel_utils main`), then rebuild the book.",
                 "```", ""]
     else:
+        verdicts = [[r.task, f"{r.model}, seed {r.seed}", f"{r.n_discovery} / {r.n_holdout}", r.stage1,
+                     _link(r.verdict, r, link_prefix)] for r in table.itertuples()]
+        out += ["## Verdicts", "",
+                "What each run shows, from its paired holdout test (exact McNemar, 95% bootstrap interval), the smallest "
+                "change that test detects with 80% power at its size and discordance, and, for multiple choice, a "
+                "calibration baseline: the full model with answer offsets fitted on the discovery items, the cheapest "
+                "fix of a response bias (see [beyond the paper](beyond.md)).", "",
+                md_table(["task", "model", "discovery / holdout items", "stage 1", "verdict"], verdicts), ""]
         models = list(dict.fromkeys(table.model))
         tasks = sorted(dict.fromkeys(table.task), key=_task_sort_key)
         body = []
@@ -141,8 +157,8 @@ def results_markdown(artifacts: list[dict], paper_rows: list[dict], runs_dir: Pa
                 "and where the items came from (hub, local mirror, or generated, with any fallback).",
                 "", md_table(["task", "model", "full -> ablated (gain)", "rel. error red.", "heads",
                                "items, search", "data"], detail), ""]
-        checks = [[r.task, f"{r.model}, seed {r.seed}", r.ci or "n/a", r.null_text, r.curse_text, r.stability_text]
-                  for r in table.itertuples()]
+        checks = [[r.task, f"{r.model}, seed {r.seed}", r.ci or "n/a", r.power_text, r.calibration_text, r.null_text,
+                   r.curse_text, r.stability_text] for r in table.itertuples()]
         out += ["## Is the gain real?", "",
                 "Per run: the holdout gain's paired 95% interval and exact McNemar p-value; the frozen set's place among "
                 "random head sets of the same size on the same holdout (percentile, empirical one-sided p); the discovery "

@@ -39,14 +39,26 @@ def run_overview(artifact: dict) -> pd.DataFrame:
         "task": f"{artifact['task']['name']} (primary metric {artifact['task']['metric']}, prompt format {cfg['fmt']})",
         "items": f"{data.get('n_discovery')} discovery, {data.get('n_holdout')} holdout, {data.get('num_fewshot')} few-shot",
         "data": provenance_text(data),
+        "stage 1": stage1_text(artifact),
         "search": f"pool p = {cfg['p']}, budget k = {cfg['k']}, {artifact['n_interventions_evaluated']} interventions "
-                  f"scored on discovery (engine {cfg['engine']})",
+                  f"scored exactly on discovery (engine {cfg['engine']})",
         "frozen heads": artifact["frozen"]["label"],
         "wall time": f"{total:.1f} s (search {timings.get('search_s', float('nan')):.1f} s, "
                      f"holdout {timings.get('holdout_s', float('nan')):.1f} s, "
                      f"null and stability {timings.get('reliability_s', 0.0):.1f} s)",
     }
     return pd.DataFrame({"": list(rows.values())}, index=pd.Index(list(rows), name="run"))
+
+
+def stage1_text(artifact: dict) -> str:
+    """How stage 1 ran: every head exactly, or which screen passed how many heads on to exact evaluation."""
+    method = artifact.get("stage1_method") or {"method": "exact"}
+    geo = artifact["model"]["geometry"]
+    n_heads = geo["n_layers"] * geo["n_heads"]
+    if method["method"] == "exact":
+        return f"exact: all {n_heads} heads, each ablated alone on every discovery item"
+    return (f"screened by {method['screen']}: every head ranked on all discovery items, its top m = {method['keep']} "
+            f"of {n_heads} evaluated exactly")
 
 
 def pool_table(artifact: dict) -> pd.DataFrame:
@@ -99,7 +111,8 @@ def holdout_sentence(artifact: dict) -> str:
                 f"**{transition_text(h['full_accuracy'], h['ablated_accuracy'], h['gain_points'])}** "
                 f"(relative error reduction {rer_text(h['relative_error_reduction'])}): "
                 f"{h['help']} item(s) went wrong -> right and {h['harm']} right -> wrong.")
-    return "\n\n".join(part for part in (sentence, selection_note(artifact), sandbox_note(artifact)) if part)
+    return "\n\n".join(part for part in (verdict_sentence(artifact), sentence, selection_note(artifact),
+                                         sandbox_note(artifact)) if part)
 
 
 def sandbox_note(artifact: dict) -> str:
@@ -147,6 +160,36 @@ def significance(artifact: dict) -> dict | None:
     return paired_test(h["full_correct"], h["ablated_correct"], seed=[artifact["config"]["seed"], CI_STREAM]).to_json()
 
 
+def power_of(artifact: dict) -> dict | None:
+    """The smallest change the holdout test detects: stored by the run, else computed from the per-item vectors."""
+    rel, h = artifact.get("reliability") or {}, artifact["holdout"]
+    if rel.get("power"):
+        return rel["power"]
+    if "full_correct" not in h:
+        return None
+    from cel_utils.stats.power import discordant, power_json
+
+    return power_json(h["n_items"], discordant(h["full_correct"], h["ablated_correct"]))
+
+
+def verdict_of(artifact: dict) -> dict | None:
+    """The run's one-line verdict (:func:`cel_utils.stats.power.verdict`): stored, or computed for older artifacts."""
+    rel = artifact.get("reliability") or {}
+    if rel.get("verdict"):
+        return rel["verdict"]
+    sig, power = significance(artifact), power_of(artifact)
+    if sig is None or power is None:
+        return None
+    from cel_utils.stats.power import verdict
+
+    return verdict(sig, power, rel.get("calibration"))
+
+
+def verdict_sentence(artifact: dict) -> str:
+    found = verdict_of(artifact)
+    return f"**Verdict: {found['text']}.**" if found else ""
+
+
 def reliability_sentence(artifact: dict) -> str:
     """Markdown: the holdout gain with its interval and p-value, its place in the null, the winner's curse."""
     sig, rel = significance(artifact), artifact.get("reliability") or {}
@@ -170,11 +213,24 @@ def reliability_table(artifact: dict) -> pd.DataFrame:
     """The numbers behind :func:`reliability_sentence`, one per row."""
     sig, rel = significance(artifact), artifact.get("reliability") or {}
     rows = {}
+    if verdict_of(artifact):
+        rows["verdict"] = verdict_of(artifact)["text"]
     if sig:
         rows["holdout gain (points)"] = f"{sig['gain_points']:+.2f}"
         rows[f"{round(100 * sig['confidence'])}% CI, paired bootstrap"] = f"[{sig['ci_low']:+.2f}, {sig['ci_high']:+.2f}]"
         rows["exact McNemar p (two-sided)"] = p_text(sig["p_value"])
         rows["helped / harmed items"] = f"{sig['help']} / {sig['harm']} of {sig['n_items']}"
+    power = power_of(artifact)
+    if power:
+        mdg = power["min_detectable_gain_points"]
+        rows[f"smallest change detectable ({100 * power['power']:.0f}% power)"] = (
+            f"{mdg:.1f} points, with {power['n_discordant']} of {power['n_items']} answers changed" if mdg is not None else
+            f"none: only {power['n_discordant']} of {power['n_items']} answers changed")
+    if rel.get("calibration"):
+        cal, versus = rel["calibration"], rel["calibration"]["ablation_vs_calibration"]
+        rows["calibration baseline (offsets fitted on discovery)"] = (
+            f"{100 * cal['holdout_accuracy']:.1f}% on the holdout ({cal['holdout_gain_points']:+.2f} points); ablation "
+            f"minus calibration {versus['gain_points']:+.2f}, McNemar p = {p_text(versus['p_value'])}")
     if rel.get("winners_curse"):
         c = rel["winners_curse"]
         rows["discovery gain -> holdout gain"] = f"{c['discovery_gain_points']:+.2f} -> {c['holdout_gain_points']:+.2f} (gap {c['gap_points']:+.2f})"

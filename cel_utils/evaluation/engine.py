@@ -40,6 +40,8 @@ import torch
 from tqdm.auto import tqdm
 
 from cel_utils.evaluation.evaluator import Evaluator, Intervention
+from cel_utils.evaluation.prefix import (MIN_SHARED_PREFIX, prefix_cache, prefix_states, shared_prefix_length,
+                                        sliding_window)
 from cel_utils.models.ablation import ablated_rows, head_mask
 from cel_utils.models.heads import format_heads
 from cel_utils.models.plumbing import base_model, capture_layer_outputs, start_at_layer, unembed
@@ -51,6 +53,8 @@ ENGINE_VERSION = "1"
 # here because interventions are stacked up to the token budget anyway, while padding is computed in full:
 # BoolQ's and HellaSwag's lengths vary 4x, and batches of 8 were 36% padding.
 MAX_PADDING = 0.25
+# The prefix's keys and values are copied into every row of a stacked forward: cap their memory.
+PREFIX_CACHE_BYTES = 256 * 2**20
 
 
 # --- Layouts: what one batch row holds and which positions are scored -------------------------------------
@@ -83,6 +87,12 @@ def _layout(request: Request, shortcut: bool) -> _Row:
         segments.append((start, len(tokens)))
         scored.append(([n - 1] + list(range(start, len(tokens))), cont))
     return _Row(tokens=tokens, positions=positions, segments=segments, context_len=n, scored=scored)
+
+
+def _after_prefix(row: _Row, n: int) -> _Row:
+    """The part of a (non-packed) row after a shared prefix of ``n`` tokens, its scored positions shifted."""
+    return _Row(tokens=row.tokens[n:], positions=None, segments=[], context_len=row.context_len - n,
+                scored=[([p - n for p in positions], targets) for positions, targets in row.scored])
 
 
 def _block_mask(rows: list[_Row], width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -121,7 +131,20 @@ class EngineEvaluator(Evaluator):
             self.shortcut = (self.kind.compares_answers and self.task.metric == "acc"
                              and all(len(c) == 1 for r in self.requests for c in r.continuations))
             self.rows = [_layout(r, self.shortcut) for r in self.requests]
+            self.prefix = self._shared_prefix()
+            if self.prefix:
+                self.rows = [_after_prefix(row, len(self.prefix)) for row in self.rows]
             self.batches = self._make_batches()
+
+    def _shared_prefix(self) -> tuple[int, ...]:
+        """The tokens every row starts with (few-shot exemplars), when long enough to compute once per head set.
+
+        Not for packed answers (their block mask is written for whole rows) nor for sliding-window attention."""
+        rows = self.rows
+        if len(rows) < 2 or any(row.positions is not None for row in rows) or sliding_window(self.lm):
+            return ()
+        n = min(shared_prefix_length([row.tokens for row in rows]), min(row.context_len for row in rows) - 1)
+        return tuple(rows[0].tokens[:n]) if n >= MIN_SHARED_PREFIX else ()
 
     def _make_batches(self) -> list[list[int]]:
         order = sorted(range(len(self.rows)), key=lambda i: -len(self.rows[i].tokens))
@@ -140,7 +163,10 @@ class EngineEvaluator(Evaluator):
     def store_fields(self) -> dict:
         # The shortcut stores answer logits, not log-probabilities: a different quantity under the same name.
         fields = super().store_fields()
-        return {**fields, "shortcut": self.shortcut} if self.kind.loglikelihood else fields
+        if not self.kind.loglikelihood:
+            return fields
+        # A prefix computed apart gives the same numbers up to float rounding, not to the bit: its own context.
+        return {**fields, "shortcut": self.shortcut, **({"shared_prefix": len(self.prefix)} if self.prefix else {})}
 
     def _evaluate(self, interventions: list[Intervention], desc: str | None) -> list[Outcome]:
         if not self.kind.loglikelihood:
@@ -170,9 +196,12 @@ class EngineEvaluator(Evaluator):
         labels = [format_heads(heads) for heads in interventions]
         progress = tqdm(total=len(self.batches) * len(interventions), desc=desc or f"{self.task.name} (engine)",
                         disable=not self.progress or len(interventions) < 2, unit="eval")
+        clean_prefix = prefix_states(self.lm, self.prefix, (), None, 1) if self.prefix else None
         for batch in self.batches:
             rows = [self.rows[i] for i in batch]
             stack = max(1, self.token_budget // (len(batch) * max(len(row.tokens) for row in rows)))
+            if self.prefix:  # each row also holds the prefix's keys and values, at every layer
+                stack = max(1, min(stack, PREFIX_CACHE_BYTES // (len(batch) * self._prefix_bytes())))
             chunks = []  # (starting layer, interventions of one forward)
             for layer, members in sorted(by_layer.items()):
                 size = stack if layer < n_layers else len(members)  # the full model is the clean pass itself
@@ -192,7 +221,8 @@ class EngineEvaluator(Evaluator):
                 continue
             ids, positions, attn = self._inputs(rows)
             with capture_layer_outputs(self.lm.model, wanted) as kept:
-                clean = base_model(self.lm.model)(input_ids=ids, position_ids=positions, attention_mask=attn).last_hidden_state
+                clean = base_model(self.lm.model)(input_ids=ids, position_ids=positions, attention_mask=attn,
+                                                  **self._prefix_kwargs(clean_prefix, len(batch))).last_hidden_state
             for layer, chunk in todo:
                 if layer == n_layers:  # the full model: the clean pass itself
                     for index in chunk:
@@ -201,10 +231,13 @@ class EngineEvaluator(Evaluator):
                     m = len(chunk)
                     row_masks = torch.cat([masks[i].expand(len(batch), -1, -1) for i in chunk])
                     state = kept[layer - 1].repeat(m, 1, 1) if layer > 0 else None
+                    states = (prefix_states(self.lm, self.prefix, None, torch.stack([masks[i] for i in chunk]), m)
+                              if self.prefix else None)
                     with ablated_rows(self.lm.model, row_masks, self.lm.geometry), start_at_layer(self.lm.model, layer, state):
                         hidden = base_model(self.lm.model)(
                             input_ids=ids.repeat(m, 1), attention_mask=None if attn is None else attn.repeat(m, 1, 1, 1),
-                            position_ids=None if positions is None else positions.repeat(m, 1)).last_hidden_state
+                            position_ids=None if positions is None else positions.repeat(m, 1),
+                            **self._prefix_kwargs(states, len(batch))).last_hidden_state
                     for j, index in enumerate(chunk):
                         self._collect(per[index], batch, rows, hidden[j * len(batch):(j + 1) * len(batch)])
                 if self.stored:
@@ -215,6 +248,15 @@ class EngineEvaluator(Evaluator):
             del kept
         progress.close()
         return per
+
+    def _prefix_bytes(self) -> int:
+        """Memory of one row's copy of the prefix's keys and values."""
+        geometry = self.lm.geometry
+        return 2 * geometry.n_layers * geometry.n_kv_heads * geometry.head_dim * len(self.prefix) * self.lm.dtype.itemsize
+
+    def _prefix_kwargs(self, states, repeats: int) -> dict:
+        """What a forward over the rows after the prefix needs: the prefix's keys and values, one per head set."""
+        return {"cache": prefix_cache(self.lm, states, repeats), "use_cache": True} if states else {}
 
     def _fill(self, per: list, indices: list[int], batch: list[int], labels: list[str], stored: dict) -> None:
         for index in indices:
@@ -228,7 +270,9 @@ class EngineEvaluator(Evaluator):
         for r, row in enumerate(rows):
             ids[r, :len(row.tokens)] = torch.tensor(row.tokens)
         positions = attn = None
-        if any(row.positions is not None for row in rows):  # packed answers need positions and a block mask
+        if self.prefix:  # the rows continue after the shared prefix
+            positions = (torch.arange(width) + len(self.prefix)).expand(len(rows), -1).to(self.lm.device)
+        elif any(row.positions is not None for row in rows):  # packed answers need positions and a block mask
             positions = torch.zeros((len(rows), width), dtype=torch.long)
             for r, row in enumerate(rows):
                 positions[r, :len(row.tokens)] = torch.tensor(row.positions or list(range(len(row.tokens))))

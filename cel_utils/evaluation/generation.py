@@ -23,6 +23,7 @@ import torch
 
 from cel_utils.models.ablation import ablated, ablated_rows, head_mask
 from cel_utils.models.heads import HeadId
+from cel_utils.evaluation.prefix import MIN_SHARED_PREFIX, prefix_states, shared_prefix_length, sliding_window
 from cel_utils.models.loading import LoadedModel
 from cel_utils.models.plumbing import base_model, capture_layer_outputs, start_at_layer
 from cel_utils.tasks.prompts import GenRequest
@@ -36,62 +37,13 @@ def _stop_ids(lm: LoadedModel) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-MIN_SHARED_PREFIX = 32  # shorter shared prefixes are not worth a separate forward
-
-
-def shared_prefix_length(contexts: Sequence[Sequence[int]]) -> int:
-    """Tokens all contexts start with, leaving every row at least one token of its own."""
-    shortest = min(len(c) for c in contexts)
-    n = 0
-    while n < shortest - 1 and all(c[n] == contexts[0][n] for c in contexts):
-        n += 1
-    return n
-
-
 def _ablation(lm: LoadedModel, heads, masks: torch.Tensor | None):
     if masks is not None:
         return ablated_rows(lm.model, masks, lm.geometry)
     return ablated(lm.model, heads, lm.geometry) if heads else nullcontext()
 
 
-def _prefix_states(lm: LoadedModel, prefix: Sequence[int], heads, masks: torch.Tensor | None, n_rows: int):
-    """Keys and values of ``prefix`` for every row: ``states[row][layer] = (keys, values)``.
-
-    Computed once per distinct head set, and only from that set's lowest ablated layer on: below it the
-    prefix's keys and values are the full model's, so one clean pass provides them and the residual stream
-    that the ablated pass starts from (the engine's below-layer reuse, see :mod:`cel_utils.evaluation.engine`).
-    """
-    from transformers import DynamicCache
-
-    if masks is None:
-        sets, index = head_mask(heads, lm.geometry)[None], torch.zeros(n_rows, dtype=torch.long)
-    else:
-        sets, index = torch.unique(masks.flatten(1), dim=0, return_inverse=True)
-        sets = sets.view(-1, *masks.shape[1:])
-    n_layers = lm.geometry.n_layers
-    first = [int(s.any(dim=1).nonzero()[0, 0]) if s.any() else n_layers for s in sets]
-    base, ids = base_model(lm.model), torch.tensor([list(prefix)], device=lm.device)
-
-    def kv(cache, layer: int, row: int):
-        return cache.layers[layer].keys[row], cache.layers[layer].values[row]
-
-    clean = DynamicCache(config=lm.model.config)
-    # Keep only the residual streams an ablated pass resumes from (as the engine does), not every layer's.
-    with capture_layer_outputs(lm.model, {f - 1 for f in first if 0 < f < n_layers}) as kept:
-        base(input_ids=ids, cache=clean, use_cache=True)
-    per_set = [[kv(clean, layer, 0) for layer in range(n_layers)] for _ in first]
-    for start in sorted(set(first) - {n_layers}):
-        group = [u for u, f in enumerate(first) if f == start]
-        cache = DynamicCache(config=lm.model.config)
-        state = kept[start - 1].expand(len(group), -1, -1) if start else None
-        with ablated_rows(lm.model, sets[group].to(lm.device), lm.geometry), start_at_layer(lm.model, start, state):
-            base(input_ids=ids.expand(len(group), -1), cache=cache, use_cache=True)
-        for row, u in enumerate(group):
-            per_set[u][start:] = [kv(cache, layer, row) for layer in range(start, n_layers)]
-    return [per_set[u] for u in index.tolist()]
-
-
-def _decoding_cache(lm: LoadedModel, n_rows: int, max_len: int, prefix_states=None):
+def _decoding_cache(lm: LoadedModel, n_rows: int, max_len: int, states=None):
     """A preallocated KV cache for ``n_rows`` rows of ``max_len`` tokens, holding a shared prefix if given.
 
     Preallocated because a growing cache concatenates every layer's keys and values at every step: with 64
@@ -100,23 +52,18 @@ def _decoding_cache(lm: LoadedModel, n_rows: int, max_len: int, prefix_states=No
     from transformers import StaticCache
 
     cache = StaticCache(config=lm.model.config, max_cache_len=max_len)
-    if not prefix_states:
+    if not states:
         return cache
     for i, layer in enumerate(cache.layers):
-        keys, values = prefix_states[0][i]
+        keys, values = states[0][i]
         layer.lazy_initialization(keys.expand(n_rows, -1, -1, -1), values.expand(n_rows, -1, -1, -1))
         n = keys.shape[-2]
-        for row, states in enumerate(prefix_states):
-            layer.keys[row, :, :n], layer.values[row, :, :n] = states[i]
+        for row, row_states in enumerate(states):
+            layer.keys[row, :, :n], layer.values[row, :, :n] = row_states[i]
         layer.cumulative_length.fill_(n)
         if hasattr(layer, "cumulative_length_int"):  # sliding-window layers (the prefix fits in the window)
             layer.cumulative_length_int = n
     return cache
-
-
-def _sliding_window(lm: LoadedModel) -> int | None:
-    config = lm.model.config.get_text_config()
-    return getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
 
 
 def cut_completion(text: str, stop: str | None) -> str:
@@ -136,7 +83,7 @@ def generate(lm: LoadedModel, requests: list[GenRequest], heads: Iterable[HeadId
     order = sorted(range(len(requests)), key=lambda i: -len(requests[i].context))  # similar lengths share a batch
     completions: list[str | None] = [None] * len(requests)
     stops = sorted({r.stop for r in requests if r.stop})
-    window = _sliding_window(lm)
+    window = sliding_window(lm)
     for start in range(0, len(order), batch_size):
         batch = order[start:start + batch_size]
         contexts = [requests[i].context for i in batch]
@@ -153,7 +100,7 @@ def generate(lm: LoadedModel, requests: list[GenRequest], heads: Iterable[HeadId
             mask[row, :n_prefix] = 1
             ids[row, width - (len(context) - n_prefix):] = torch.tensor(context[n_prefix:])
             mask[row, width - (len(context) - n_prefix):] = 1
-        states = _prefix_states(lm, contexts[0][:n_prefix], heads, masks, len(batch)) if n_prefix else None
+        states = prefix_states(lm, contexts[0][:n_prefix], heads, masks, len(batch)) if n_prefix else None
         cache = _decoding_cache(lm, len(batch), width + max_new_tokens, states)
         with _ablation(lm, heads, masks):
             out = lm.model.generate(

@@ -20,6 +20,7 @@ from cel_utils.pipeline.artifacts import SCHEMA_VERSION, library_versions, run_i
 from cel_utils.pipeline.examples import flip_examples
 from cel_utils.search.algorithm import HoldoutResult, SearchResult, check_search_params, evaluate_holdout, run_search
 from cel_utils.search.screening import run_screen
+from cel_utils.stats.calibration import calibration_baseline
 from cel_utils.stats.reliability import assess_run
 from cel_utils.tasks.splits import TaskData, load_task_data
 
@@ -82,8 +83,11 @@ def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool = T
     timings["holdout_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
+    calibration = calibration_baseline(data.task.calibration, discovery.requests, search.full, holdout_evaluator.requests,
+                                       holdout.full, holdout.ablated, seed=config.seed)
     reliability = assess_run(search, holdout, discovery, holdout_evaluator, n_random_sets=config.n_random_sets,
-                             n_resamples=config.n_resamples, resample=config.resample, seed=config.seed)
+                             n_resamples=config.n_resamples, resample=config.resample, seed=config.seed,
+                             calibration=calibration)
     timings["reliability_s"] = time.perf_counter() - start
     timings.update(reliability.pop("timings", None) or {})  # volatile: to the run info, not the artifact
 

@@ -19,6 +19,7 @@ from cel_utils.stats.significance import CI_STREAM, paired_test
 
 N_LENGTH_BUCKETS = 4
 MAX_ROUNDS = 20
+OFFSET_DECIMALS = 4
 
 
 def answer_groups(kind: str, requests, edges: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
@@ -73,7 +74,8 @@ def calibration_baseline(kind: str | None, discovery_requests, discovery_full, h
     gold_h = np.array([r.gold for r in holdout_requests])
     groups_d, edges = answer_groups(kind, discovery_requests)
     groups_h, _ = answer_groups(kind, holdout_requests, edges)
-    offsets = fit_offsets(discovery_full.scores, gold_d, groups_d)
+    # Rounded: scores carry float noise (batch size, engine), which must not reach the artifact through the offsets.
+    offsets = np.round(fit_offsets(discovery_full.scores, gold_d, groups_d), OFFSET_DECIMALS)
     calibrated = np.argmax(holdout_full.scores + offsets[groups_h], axis=1) == gold_h
     vs_full = paired_test(holdout_full.correct, calibrated, seed=[seed, CI_STREAM])
     vs_ablation = paired_test(calibrated, holdout_ablated.correct, seed=[seed, CI_STREAM])
