@@ -60,7 +60,7 @@ def test_notebook_executes_and_writes_an_artifact(executed):
     nb = nbformat.read(output, as_version=4)
     by_id = {c.get("id"): c for c in nb.cells}
     assert not any(o.output_type == "error" for c in code_cells(nb) for o in c.outputs)
-    assert any("image/png" in o.get("data", {}) for o in by_id["stage1-heatmap"].outputs)
+    assert any("Plotly.newPlot" in o.get("data", {}).get("text/html", "") for o in by_id["stage1-heatmap"].outputs)
     for table in ("pool", "stage2", "holdout", "run"):
         assert any("text/html" in o.get("data", {}) for o in by_id[table].outputs), table
     assert by_id["flips"].outputs  # a table of flipped items, or the note that none flipped
