@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 from cel_utils.checks import check_int
 from cel_utils.search.screening import SCREENS
-from cel_utils.tasks.prompts import FORMATS
+from cel_utils.tasks.prompts import BOS_POLICIES, FORMATS
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 ENGINES = ("fast", "naive")
@@ -64,6 +64,8 @@ class RunConfig:
     seed: int = setting(0, "seeds the discovery/holdout/few-shot draw and every resample", minimum=0, flag=False)
     fmt: str = setting("plain", "prompt format: plain (lm-eval's prompts) or chat (the model's chat template)",
                        choices=FORMATS)
+    bos: str = setting("auto", "start plain prompts with the BOS token: auto (as the tokenizer does by default, like "
+                       "lm-eval: Llama-3.x and Gemma yes, SmolLM2 and Qwen no), always, never", choices=BOS_POLICIES)
     num_fewshot: int | None = setting(None, "few-shot exemplars (none: the task's default, MBPP 3, others 0)", minimum=0)
     data_dir: str | None = setting(None, "local data mirror laid out like shared/data (none: $CEL_DATA_DIR, else the "
                                    "Hugging Face hub); the artifact records what was read", results=False)

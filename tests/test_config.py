@@ -16,7 +16,7 @@ MIRROR = Path(os.environ.get("CEL_DATA_DIR") or REPO.parent / "shared" / "data")
 # A value other than the default for every setting (one consistent run), and how to see it took effect.
 NON_DEFAULT = {
     "model": "random:llama:tiny", "task": "arithmetic_2da", "seed": 1, "preset": "smoke", "n_discovery": 5,
-    "n_holdout": 7, "p": 3, "k": 1, "fmt": "chat", "num_fewshot": 1, "max_new_tokens": 20, "data_dir": str(MIRROR),
+    "n_holdout": 7, "p": 3, "k": 1, "fmt": "chat", "bos": "always", "num_fewshot": 1, "max_new_tokens": 20, "data_dir": str(MIRROR),
     "results_dir": None,  # the test's folder, filled in below
     "batch_size": 3, "device": "cpu", "dtype": "bfloat16", "engine": "naive", "cache": False, "stage1": "screened",
     "screen": "bf16", "screen_keep": 6, "n_random_sets": 2, "n_resamples": 1, "resample": "halves",
@@ -30,6 +30,7 @@ EFFECT = {  # besides the artifact's config section: where the setting shows in 
     "p": lambda a: len(a["pool"]) == 3,
     "k": lambda a: all(len(s["heads"]) == 1 for s in a["stage2"]),
     "num_fewshot": lambda a: a["data"]["num_fewshot"] == 1,
+    "bos": lambda a: a["prompt"]["bos"] is True,
     "data_dir": lambda a: a["data"]["source"] == "mirror",
     "device": lambda a: a["model"]["device"] == "cpu",
     "dtype": lambda a: a["model"]["dtype"] == "bfloat16",
@@ -79,7 +80,7 @@ def test_a_setting_given_to_the_grid_reaches_the_artifact(ran, name):
         assert EFFECT[name](artifact), name
 
 
-ALTERNATIVE = {"n_discovery": 4, "n_holdout": 6, "p": 2, "k": 2, "fmt": "plain", "num_fewshot": 0, "max_new_tokens": 21,
+ALTERNATIVE = {"bos": "never", "n_discovery": 4, "n_holdout": 6, "p": 2, "k": 2, "fmt": "plain", "num_fewshot": 0, "max_new_tokens": 21,
                "device": "auto", "dtype": "float32", "engine": "fast", "stage1": "exact", "screen": "attribution",
                "screen_keep": 7,
                "n_random_sets": 3, "n_resamples": 2, "resample": "bootstrap"}

@@ -72,7 +72,7 @@ def test_mbpp_is_screened_by_the_reference_solutions_likelihood(tiny_models, dat
     lm = tiny_models["llama"]
     data = load_task_data("mbpp", 2, 1, seed=0, data_dir=data_dir)
     evaluator = NaiveEvaluator(lm, data.task, data.discovery, data.fewshot, progress=False)
-    requests = reference_requests(data.task, data.discovery, data.fewshot, lm.tokenizer, "plain", "llama")
+    requests = reference_requests(data.task, data.discovery, data.fewshot, lm.tokenizer, "plain")
     assert lm.tokenizer.decode(requests[0].continuations[0]).endswith("[DONE]")
     head = HeadId(2, 1)
     gates = torch.ones(3, 4)

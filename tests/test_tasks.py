@@ -112,3 +112,25 @@ def test_malformed_rows_are_rejected_with_the_row_named(task, doc, message):
     with pytest.raises(ValueError, match=message) as error:
         validate_item(get_task(task), Item("row-7", doc))
     assert "row-7" in str(error.value)
+
+
+def test_bos_follows_the_tokenizers_default_unless_told(tokenizer):
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    from cel_utils.tasks.prompts import resolve_bos
+
+    task = get_task("arithmetic_2da")
+    assert resolve_bos(tokenizer, "auto") is False  # SmolLM2 adds no BOS: its prompts are unchanged
+    (plain,) = build_requests(task, [Item("x", ARITH)], [], tokenizer, "plain", resolve_bos(tokenizer, "auto"))
+    adds = copy.deepcopy(tokenizer)  # a tokenizer that adds BOS by default, as Llama-3's and Gemma's do
+    adds.bos_token = "<|endoftext|>"
+    adds._tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A", pair="<|endoftext|> $A $B",
+                                                       special_tokens=[("<|endoftext|>", adds.bos_token_id)])
+    assert resolve_bos(adds, "auto") is True and resolve_bos(adds, "never") is False
+    (with_bos,) = build_requests(task, [Item("x", ARITH)], [], adds, "plain", resolve_bos(adds, "auto"))
+    assert with_bos.context == (adds.bos_token_id,) + plain.context and with_bos.continuations == plain.continuations
+    assert resolve_bos(tokenizer, "always") is True
+    with pytest.raises(ValueError, match="unknown bos policy"):
+        resolve_bos(tokenizer, "sometimes")

@@ -15,6 +15,7 @@ from typing import Iterable, Sequence
 from tqdm.auto import tqdm
 
 from cel_utils.evaluation.kinds import kind_of
+from cel_utils.tasks.prompts import resolve_bos
 from cel_utils.evaluation.store import EvalStore, StoreContext, batch_key, request_digest
 from cel_utils.models.heads import HeadId, format_heads, head_set
 from cel_utils.models.loading import LoadedModel
@@ -30,7 +31,7 @@ class Evaluator:
     store_kind = "naive-1"  # names the computation in the store's key: change it whenever its numbers change
 
     def __init__(self, lm: LoadedModel, task: TaskSpec, items: Sequence[Item], fewshot: Sequence[Item] = (), *,
-                 fmt: str = "plain", batch_size: int = 8, max_new_tokens: int = 256, exec_timeout_s: float = 10.0,
+                 fmt: str = "plain", bos: str = "auto", batch_size: int = 8, max_new_tokens: int = 256, exec_timeout_s: float = 10.0,
                  progress: bool = True, store: EvalStore | None = None):
         self.lm, self.task, self.items = lm, task, list(items)
         self.fmt, self.batch_size, self.max_new_tokens = fmt, batch_size, max_new_tokens
@@ -39,8 +40,8 @@ class Evaluator:
         self.fewshot_ids = [item.id for item in fewshot]
         self.store, self._stored, self._digests = store, None, None
         self.kind = kind_of(task)
-        self.requests = self.kind.build_requests(task, self.items, list(fewshot), lm.tokenizer, fmt,
-                                                 lm.model.config.model_type)
+        self.bos = resolve_bos(lm.tokenizer, bos)
+        self.requests = self.kind.build_requests(task, self.items, list(fewshot), lm.tokenizer, fmt, self.bos)
 
     @property
     def n_tokens(self) -> int:

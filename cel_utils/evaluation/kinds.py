@@ -32,7 +32,7 @@ class TaskKind:
     # True: scored from teacher-forced log-likelihoods (the engine's stacked forwards; the store keeps per-answer
     # statistics). False: scored by generating text (decoding; the store keeps the completions).
     loglikelihood: bool
-    build_requests: Callable  # (task, items, fewshot, tokenizer, fmt, model_type) -> requests
+    build_requests: Callable  # (task, items, fewshot, tokenizer, fmt, bos) -> requests
     decide: Callable  # (task, requests, statistics or completions, timeout_s=...) -> Outcome
     # What attribution patching screens by: the requests it scores (evaluator -> requests) and a differentiable number
     # of one request from its answers' logits: the decision margin, or for generation, where the decision (running
@@ -68,7 +68,7 @@ def _own_requests(evaluator) -> list:
 
 def _reference_requests(evaluator) -> list:
     return reference_requests(evaluator.task, evaluator.items, evaluator.fewshot, evaluator.lm.tokenizer, evaluator.fmt,
-                              evaluator.lm.model.config.model_type)
+                              evaluator.bos)
 
 
 KINDS: dict[str, TaskKind] = {

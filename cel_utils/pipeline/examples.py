@@ -10,7 +10,7 @@ from cel_utils.evaluation.generation import generate
 from cel_utils.evaluation.kinds import kind_of
 from cel_utils.models.loading import LoadedModel
 from cel_utils.search.algorithm import HoldoutResult
-from cel_utils.tasks.prompts import GenRequest, build_requests
+from cel_utils.tasks.prompts import GenRequest, build_requests, resolve_bos
 from cel_utils.tasks.splits import TaskData
 
 PROMPT_CHARS = 300  # the end of the prompt a page shows
@@ -23,7 +23,7 @@ def flips(full, ablated) -> dict[str, np.ndarray]:
 
 
 def greedy_answers(lm: LoadedModel, data: TaskData, indices: Iterable[int], heads=(), *, fmt: str = "plain",
-                   batch_size: int = 8, max_new_tokens: int = 12) -> list[str]:
+                   bos: str = "auto", batch_size: int = 8, max_new_tokens: int = 12) -> list[str]:
     """Short greedy answers for some holdout items of a teacher-forced task (arithmetic), for display.
 
     The prompt is exactly the one the scorer used; generation stops at a newline.
@@ -31,14 +31,14 @@ def greedy_answers(lm: LoadedModel, data: TaskData, indices: Iterable[int], head
     items = [data.holdout[i] for i in indices]
     if not items:
         return []
-    scored = build_requests(data.task, items, data.fewshot, lm.tokenizer, fmt, lm.model.config.model_type)
+    scored = build_requests(data.task, items, data.fewshot, lm.tokenizer, fmt, resolve_bos(lm.tokenizer, bos))
     requests = [GenRequest(item_id=r.item_id, context=r.context, prompt=r.prompt, stop="\n", tests=(), setup="", prefix="")
                 for r in scored]
     return generate(lm, requests, heads, batch_size=batch_size, max_new_tokens=max_new_tokens)
 
 
-def flip_examples(lm: LoadedModel, data: TaskData, holdout: HoldoutResult, *, fmt: str = "plain", batch_size: int = 8,
-                  n: int = 3) -> list[dict]:
+def flip_examples(lm: LoadedModel, data: TaskData, holdout: HoldoutResult, *, fmt: str = "plain", bos: str = "auto",
+                  batch_size: int = 8, n: int = 3) -> list[dict]:
     """Up to ``n`` flipped holdout items per direction, as text: the end of the prompt, the right answer and both
     models' answers (the chosen option, the generated code and its test status, or for a teacher-forced task a short
     greedy answer generated here for these items only)."""
@@ -50,7 +50,7 @@ def flip_examples(lm: LoadedModel, data: TaskData, holdout: HoldoutResult, *, fm
                    for name, values in predictions.items()}
     else:  # scored teacher forced: nothing was generated, so generate what the page shows
         indices = [i for _, i in picked]
-        answers = {name: dict(zip(indices, greedy_answers(lm, data, indices, heads, fmt=fmt, batch_size=batch_size)))
+        answers = {name: dict(zip(indices, greedy_answers(lm, data, indices, heads, fmt=fmt, bos=bos, batch_size=batch_size)))
                    for name, heads in (("full", ()), ("ablated", holdout.heads))}
     out = []
     for direction, i in picked:

@@ -22,6 +22,7 @@ from cel_utils.search.algorithm import HoldoutResult, SearchResult, check_search
 from cel_utils.search.screening import run_screen
 from cel_utils.stats.calibration import calibration_baseline
 from cel_utils.stats.reliability import assess_run
+from cel_utils.tasks.prompts import resolve_bos
 from cel_utils.tasks.splits import TaskData, load_task_data
 
 
@@ -42,7 +43,7 @@ def make_evaluator(lm: LoadedModel, data: TaskData, items, config: RunConfig, pr
     (default: the store under $CEL_CACHE_DIR)."""
     if config.cache and store is None:
         store = EvalStore()
-    kwargs = dict(fmt=config.fmt, batch_size=config.batch_size, max_new_tokens=config.max_new_tokens, progress=progress,
+    kwargs = dict(fmt=config.fmt, bos=config.bos, batch_size=config.batch_size, max_new_tokens=config.max_new_tokens, progress=progress,
                   store=store if config.cache else None)
     if config.engine == "fast":
         from cel_utils.evaluation.engine import EngineEvaluator
@@ -79,7 +80,7 @@ def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool = T
 
     start = time.perf_counter()
     holdout = evaluate_holdout(holdout_evaluator, search.frozen)
-    examples = flip_examples(lm, data, holdout, fmt=config.fmt, batch_size=config.batch_size)
+    examples = flip_examples(lm, data, holdout, fmt=config.fmt, bos=config.bos, batch_size=config.batch_size)
     timings["holdout_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -117,6 +118,7 @@ def build_artifact(config: RunConfig, lm: LoadedModel, data: TaskData, search: S
         "model": {"spec": lm.spec, "name": lm.name, "source": lm.source, "fingerprint": lm.fingerprint,
                   "dtype": str(lm.dtype).removeprefix("torch."), "device": str(lm.device),
                   "geometry": asdict(geometry), "model_type": lm.model.config.model_type},
+        "prompt": {"format": config.fmt, "bos": resolve_bos(lm.tokenizer, config.bos)},  # bos: as this tokenizer resolved it
         "task": {"name": data.task.name, "kind": data.task.kind, "metric": data.task.metric,
                  "metrics": list(data.task.all_metrics)},
         "data": data.provenance,

@@ -123,4 +123,5 @@ def _bf16_evaluator(evaluator):
 
     lm = dataclasses.replace(evaluator.lm, model=copy.deepcopy(evaluator.lm.model).to(torch.bfloat16), dtype=torch.bfloat16)
     return type(evaluator)(lm, evaluator.task, evaluator.items, evaluator.fewshot, fmt=evaluator.fmt,
+                           bos="always" if evaluator.bos else "never",
                            batch_size=evaluator.batch_size, max_new_tokens=evaluator.max_new_tokens, progress=evaluator.progress)

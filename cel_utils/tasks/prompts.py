@@ -1,8 +1,8 @@
 """Turn task items into tokenized requests, in the ``plain`` or ``chat`` prompt format.
 
 ``plain`` is lm-eval's format: exemplars ``text + answer`` joined by ``"\\n\\n"``, then the item's text; the
-answer continues the prompt directly (its delimiter is part of the answer string). Like lm-eval, no BOS is
-added except for Gemma models, which need it; trailing spaces of the context move to the continuation and
+answer continues the prompt directly (its delimiter is part of the answer string). Like lm-eval, a BOS token starts the
+prompt when the tokenizer adds one by default (:func:`resolve_bos`; the ``bos`` run setting overrides it); trailing spaces of the context move to the continuation and
 the pair is tokenized as one string (lm-eval's ``_encode_pair``).
 
 ``chat`` wraps the same content in the model's chat template: each exemplar becomes a user turn and an
@@ -65,8 +65,18 @@ def _check_format(fmt: str) -> None:
         raise ValueError(f"unknown prompt format {fmt!r}: choose 'plain' (lm-eval prompts) or 'chat' (chat template)")
 
 
-def _wants_bos(tokenizer, model_type: str | None) -> bool:
-    return bool(model_type and model_type.startswith("gemma") and tokenizer.bos_token)
+BOS_POLICIES = ("auto", "always", "never")
+
+
+def resolve_bos(tokenizer, policy: str = "auto") -> bool:
+    """Whether plain prompts start with the BOS token: ``auto`` does what the tokenizer does by default (its
+    ``add_special_tokens``), as lm-evaluation-harness does: Llama-3.x and Gemma add one, SmolLM2 and Qwen do not."""
+    if policy not in BOS_POLICIES:
+        raise ValueError(f"unknown bos policy {policy!r}: choose from {', '.join(BOS_POLICIES)}")
+    if policy != "auto" or not tokenizer.bos_token:
+        return policy == "always" and bool(tokenizer.bos_token)
+    with_special = tokenizer("a", add_special_tokens=True).input_ids
+    return bool(with_special) and with_special[0] == tokenizer.bos_token_id != tokenizer("a", add_special_tokens=False).input_ids[0]
 
 
 def _texts(task: TaskSpec, doc: dict, fmt: str) -> tuple[str, str]:
@@ -75,14 +85,14 @@ def _texts(task: TaskSpec, doc: dict, fmt: str) -> tuple[str, str]:
     return task.doc_to_text(doc), task.doc_to_target(doc)
 
 
-def render_context(task: TaskSpec, doc: dict, fewshot: list[Item], fmt: str, tokenizer,
-                   model_type: str | None = None) -> str:
-    """The full prompt text for one item, exemplars included."""
+def render_context(task: TaskSpec, doc: dict, fewshot: list[Item], fmt: str, tokenizer, bos: bool = False) -> str:
+    """The full prompt text for one item, exemplars included; ``bos`` starts a plain prompt with the BOS token (a chat
+    template writes its own)."""
     _check_format(fmt)
     if fmt == "plain":
         shots = [task.doc_to_text(ex.doc) + task.target_delimiter + task.doc_to_target(ex.doc) for ex in fewshot]
         text = FEWSHOT_DELIMITER.join(shots + [task.doc_to_text(doc)])
-        return (tokenizer.bos_token + text) if _wants_bos(tokenizer, model_type) else text
+        return (tokenizer.bos_token + text) if bos else text
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("prompt format 'chat' needs a tokenizer with a chat template; this model has none, use 'plain'")
     messages = []
@@ -109,11 +119,11 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
 
 
 def build_requests(task: TaskSpec, items: list[Item], fewshot: list[Item], tokenizer, fmt: str = "plain",
-                   model_type: str | None = None) -> list[Request]:
+                   bos: bool = False) -> list[Request]:
     """Tokenized log-likelihood requests for a greedy-match or multiple-choice task."""
     requests = []
     for item in items:
-        context = render_context(task, item.doc, fewshot, fmt, tokenizer, model_type)
+        context = render_context(task, item.doc, fewshot, fmt, tokenizer, bos)
         choices, gold = task.answers(item.doc)
         if fmt == "chat":  # the assistant's turn starts fresh: no delimiter, no leading space
             answers = [c.lstrip(" ") for c in choices]
@@ -133,12 +143,12 @@ def build_requests(task: TaskSpec, items: list[Item], fewshot: list[Item], token
 
 
 def reference_requests(task: TaskSpec, items: list[Item], fewshot: list[Item], tokenizer, fmt: str = "plain",
-                       model_type: str | None = None) -> list[Request]:
+                       bos: bool = False) -> list[Request]:
     """A generation task's reference solutions as teacher-forced requests: the prompt the model continues, and the
     reference answer as its one continuation (what attribution screens a generation task by)."""
     requests = []
     for item in items:
-        context = render_context(task, item.doc, fewshot, fmt, tokenizer, model_type)
+        context = render_context(task, item.doc, fewshot, fmt, tokenizer, bos)
         answer = _texts(task, item.doc, fmt)[1].removeprefix(task.chat_prefix if fmt == "chat" else "")
         context_ids, continuation = (encode_pair(tokenizer, context, answer) if fmt == "plain"
                                      else (_encode(tokenizer, context), _encode(tokenizer, answer)))
@@ -148,11 +158,11 @@ def reference_requests(task: TaskSpec, items: list[Item], fewshot: list[Item], t
 
 
 def build_gen_requests(task: TaskSpec, items: list[Item], fewshot: list[Item], tokenizer, fmt: str = "plain",
-                       model_type: str | None = None) -> list[GenRequest]:
+                       bos: bool = False) -> list[GenRequest]:
     """Tokenized generation requests (MBPP): the prompt to continue, where to stop, and the tests to run."""
     requests = []
     for item in items:
-        context = render_context(task, item.doc, fewshot, fmt, tokenizer, model_type)
+        context = render_context(task, item.doc, fewshot, fmt, tokenizer, bos)
         requests.append(GenRequest(
             item_id=item.id, context=tuple(_encode(tokenizer, context)), prompt=context,
             stop=task.chat_stop if fmt == "chat" else task.stop, tests=tuple(item.doc["test_list"]),
