@@ -287,7 +287,7 @@ def default_tasks(preset: str = "auto") -> tuple[str, ...]:
 # notebooks/cel_run.ipynb's parameters cell holds exactly these names and values (tests/test_notebook.py checks it):
 # opened in Jupyter on a laptop with its defaults, it runs the quick preset in minutes.
 NOTEBOOK_PARAMETERS: dict[str, Any] = {"model": DEFAULT_MODEL, "task": "arithmetic_1dc", "seed": 0, "preset": "quick",
-                                       "config": {}}
+                                       "config": {}, "progress": "bars"}  # progress: cel_utils.progress (grid cells: log)
 
 
 def from_notebook(namespace: Mapping[str, Any], cls: type = RunConfig) -> RunConfig:
@@ -298,7 +298,7 @@ def from_notebook(namespace: Mapping[str, Any], cls: type = RunConfig) -> RunCon
                          f"inside `config`, e.g. papermill -y \"config: {{{loose[0]}: ...}}\" or "
                          f"parameters={{'config': {{'{loose[0]}': ...}}}}")
     given = dict(namespace.get("config") or {})
-    top = {name: namespace[name] for name in NOTEBOOK_PARAMETERS if name != "config" and name in namespace}
+    top = {name: namespace[name] for name in NOTEBOOK_PARAMETERS if name in field_names(cls) and name in namespace}
     clash = sorted(name for name in top if name in given and given[name] != top[name])
     if clash:
         raise ValueError(f"{clash} given both as a notebook parameter and inside `config`, with different values")

@@ -37,7 +37,6 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from cel_utils.evaluation.evaluator import Evaluator, Intervention
 from cel_utils.evaluation.prefix import (MIN_SHARED_PREFIX, prefix_cache, prefix_states, shared_prefix_length,
@@ -194,8 +193,7 @@ class EngineEvaluator(Evaluator):
         wanted = [layer - 1 for layer in by_layer if 0 < layer < n_layers]
         masks = {i: head_mask(interventions[i], self.lm.geometry) for i in range(len(interventions))}
         labels = [format_heads(heads) for heads in interventions]
-        progress = tqdm(total=len(self.batches) * len(interventions), desc=desc or f"{self.task.name} (engine)",
-                        disable=not self.progress or len(interventions) < 2, unit="eval")
+        progress = self.progress_bar(len(self.batches) * len(interventions), desc)
         clean_prefix = prefix_states(self.lm, self.prefix, (), None, 1) if self.prefix else None
         for batch in self.batches:
             rows = [self.rows[i] for i in batch]
@@ -328,9 +326,10 @@ class EngineEvaluator(Evaluator):
         key = self.store_key(range(n)) if self.stored else None
         stored = self.stored.load_completions(key, n) if self.stored else {}
         outcomes: list[Outcome] = []
-        for chunk_start in tqdm(range(0, len(interventions), stack), desc=desc or f"{self.task.name} (engine)",
-                                disable=not self.progress or len(interventions) < 2):
+        progress = self.progress_bar(len(interventions), desc)
+        for chunk_start in range(0, len(interventions), stack):
             chunk = interventions[chunk_start:chunk_start + stack]
+            progress.update(len(chunk))
             labels = [format_heads(heads) for heads in chunk]
             missing = [label for label in labels if label not in stored]
             if missing:
@@ -345,6 +344,7 @@ class EngineEvaluator(Evaluator):
                 self.stored.served(len(labels) - len(missing))
             for label in labels:
                 outcomes.append(self.decide(stored[label]))
+        progress.close()
         return outcomes
 
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from tqdm.auto import tqdm
 
 from cel_utils.evaluation.kinds import kind_of
+from cel_utils.progress import progress_bar
 from cel_utils.tasks.prompts import resolve_bos
 from cel_utils.evaluation.store import EvalStore, StoreContext, batch_key, request_digest
 from cel_utils.models.heads import HeadId, format_heads, head_set
@@ -32,7 +32,7 @@ class Evaluator:
 
     def __init__(self, lm: LoadedModel, task: TaskSpec, items: Sequence[Item], fewshot: Sequence[Item] = (), *,
                  fmt: str = "plain", bos: str = "auto", batch_size: int = 8, max_new_tokens: int = 256, exec_timeout_s: float = 10.0,
-                 progress: bool = True, store: EvalStore | None = None):
+                 progress: bool | str = True, store: EvalStore | None = None):
         self.lm, self.task, self.items = lm, task, list(items)
         self.fmt, self.batch_size, self.max_new_tokens = fmt, batch_size, max_new_tokens
         self.exec_timeout_s, self.progress = exec_timeout_s, progress
@@ -47,6 +47,10 @@ class Evaluator:
     def n_tokens(self) -> int:
         """Prompt (and answer) tokens per pass over the items (a cost unit for reports)."""
         return sum(r.n_tokens for r in self.requests)
+
+    def progress_bar(self, total: int, desc: str | None):
+        """Progress over ``total`` interventions in the evaluator's mode (:mod:`cel_utils.progress`)."""
+        return progress_bar(total, f"{self.task.name}: {desc or 'evaluating'}", self.progress)
 
     def decide(self, raw: list) -> Outcome:
         """The task's decisions from one intervention's statistics (or completions) on every item."""
@@ -116,7 +120,9 @@ class NaiveEvaluator(Evaluator):
             stored = (self.stored.load_completions(key, len(self.requests)) if generating
                       else self.stored.load_stats(key, counts))
         outcomes = []
-        for heads in tqdm(interventions, desc=desc or f"{self.task.name} (naive)", disable=not self.progress or len(interventions) < 2):
+        progress = self.progress_bar(len(interventions), desc)
+        for heads in interventions:
+            progress.update(1)
             label = format_heads(heads)
             result = stored.get(label)
             if result is not None:
@@ -130,4 +136,5 @@ class NaiveEvaluator(Evaluator):
                 if self.stored:
                     self.stored.save_stats(key, counts, {label: result})
             outcomes.append(self.decide(result))
+        progress.close()
         return outcomes

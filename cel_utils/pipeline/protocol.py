@@ -37,7 +37,7 @@ class CelRun:
     timings: dict = field(default_factory=dict)
 
 
-def make_evaluator(lm: LoadedModel, data: TaskData, items, config: RunConfig, progress: bool = True,
+def make_evaluator(lm: LoadedModel, data: TaskData, items, config: RunConfig, progress: bool | str = True,
                    store: EvalStore | None = None) -> Evaluator:
     """An evaluator of ``items`` as ``config`` says; with ``config.cache`` it reads and writes ``store``
     (default: the store under $CEL_CACHE_DIR)."""
@@ -52,7 +52,7 @@ def make_evaluator(lm: LoadedModel, data: TaskData, items, config: RunConfig, pr
     return NaiveEvaluator(lm, data.task, items, data.fewshot, **kwargs)
 
 
-def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool = True) -> CelRun:
+def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool | str = True) -> CelRun:
     config.validate()
     timings = {}
     start = time.perf_counter()

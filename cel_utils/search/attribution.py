@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from cel_utils.evaluation.kinds import kind_of
+from cel_utils.progress import progress_bar
 from cel_utils.models.plumbing import base_model, scaled_head_outputs, unembed
 
 # Backward keeps every layer's activations: cap the tokens per pass (a few hundred MB for SmolLM2-135M).
@@ -122,7 +123,11 @@ def head_attributions(evaluator, token_budget: int = TOKEN_BUDGET) -> Attributio
     requests, margin = _target(evaluator)
     shape = (lm.geometry.n_layers, lm.geometry.n_heads)
     per_item, margins = np.zeros((len(requests), *shape)), np.zeros(len(requests))
-    for batch in _batches(requests, token_budget):
+    batches = _batches(requests, token_budget)
+    progress = progress_bar(len(batches), f"{evaluator.task.name}: attribution (forward + backward)",
+                            getattr(evaluator, "progress", False), unit="batch")
+    for batch in batches:
+        progress.update(1)
         counts = _row_counts(requests, batch)
         gates = torch.ones(sum(counts), *shape, dtype=lm.dtype, device=lm.device, requires_grad=True)
         batch_margins = _batch_margins(evaluator, requests, margin, batch, gates)
@@ -131,5 +136,6 @@ def head_attributions(evaluator, token_budget: int = TOKEN_BUDGET) -> Attributio
         ends = np.cumsum(counts)
         per_item[batch] = -np.stack([grads[end - n:end].sum(axis=0) for n, end in zip(counts, ends)])
         margins[batch] = batch_margins.detach().double().cpu().numpy()
+    progress.close()
     return Attribution(per_item=per_item, full_margins=margins,
                        forward_equivalents=FORWARD_BACKWARD_COST * len(margins))

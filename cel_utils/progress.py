@@ -1,0 +1,63 @@
+"""Progress a person can see, in three modes: ``bars`` (tqdm, for a terminal or an interactive notebook), ``log`` (a
+plain line every ``LOG_EVERY_S`` seconds on stderr, for a grid cell's kernel: papermill streams it to the terminal or
+the Slurm job's log, and the run page hides stderr) and ``off``. ``True``/``False`` mean ``bars``/``off``."""
+from __future__ import annotations
+
+import sys
+import time
+
+MODES = ("bars", "log", "off")
+LOG_EVERY_S = 30.0
+
+
+def _mode(progress: bool | str) -> str:
+    mode = {True: "bars", False: "off"}.get(progress, progress)
+    if mode not in MODES:
+        raise ValueError(f"unknown progress mode {progress!r}: choose from {', '.join(MODES)} (or True / False)")
+    return mode
+
+
+class LogProgress:
+    """tqdm's ``update``/``close`` interface, writing ``[cel] <desc>: n/total, elapsed, ETA`` lines."""
+
+    def __init__(self, total: int, desc: str, unit: str, every_s: float = LOG_EVERY_S, stream=None):
+        self.total, self.desc, self.unit, self.every_s = total, desc, unit, every_s
+        self.stream = stream or sys.stderr
+        self.n, self.start = 0, time.perf_counter()
+        self.last = self.start
+        self._write("started")
+
+    def _write(self, what: str) -> None:
+        print(f"[cel] {self.desc}: {what}", file=self.stream, flush=True)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        now = time.perf_counter()
+        if now - self.last >= self.every_s and self.n < self.total:
+            self.last = now
+            elapsed = now - self.start
+            eta = elapsed / self.n * (self.total - self.n) if self.n else float("nan")
+            self._write(f"{self.n}/{self.total} {self.unit}s, {elapsed:.0f} s elapsed, ETA {eta:.0f} s")
+
+    def close(self) -> None:
+        self._write(f"{self.n}/{self.total} {self.unit}s in {time.perf_counter() - self.start:.0f} s")
+
+
+class _Off:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(total: int, desc: str, mode: bool | str = True, unit: str = "eval"):
+    """A progress reporter for ``total`` steps in the given mode (nothing for fewer than two steps)."""
+    mode = _mode(mode)
+    if mode == "off" or total < 2:
+        return _Off()
+    if mode == "log":
+        return LogProgress(total, desc, unit)
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit)
