@@ -32,6 +32,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 ENGINES = ("fast", "naive")
 RESAMPLE_METHODS = ("bootstrap", "halves")
 STAGE1_MODES = ("exact", "screened")
+ATTENTION_KERNELS = ("sdpa", "eager", "flash_attention_2")
 PRESET_NAMES = ("auto", "cpu", "paper", "quick", "smoke", "none")
 
 
@@ -74,6 +75,15 @@ class RunConfig:
     device: str = setting("auto", "auto (CUDA if present, else CPU), cpu, cuda, cuda:1, ...")
     dtype: str = setting("auto", "weights' dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16")
     max_new_tokens: int = setting(256, "generation budget per MBPP item", minimum=1)
+    attn_implementation: str = setting("sdpa", "attention kernel: sdpa, eager, flash_attention_2 (CUDA; the engine runs "
+                                       "packed answers in sdpa, as flash attention takes no custom mask)",
+                                       choices=ATTENTION_KERNELS)
+    revision: str | None = setting(None, "hub branch, tag or commit of the model (none: the default branch; the "
+                                   "artifact records the commit loaded)")
+    device_map: str | None = setting(None, "spread a model larger than one GPU over the GPUs: auto (accelerate's "
+                                     "device map); none: the whole model on device", results=False)
+    token_budget: int | None = setting(None, "tokens per stacked forward (none: 4096 on a CPU, scaled to free memory "
+                                       "on a GPU; halved automatically on out-of-memory)", results=False, minimum=1)
     engine: str = setting("fast", "fast (the exact engine that reuses shared work) or naive (one full forward per "
                           "intervention)", choices=ENGINES)
     cache: bool = setting(True, "keep every finished evaluation in the store under $CEL_CACHE_DIR (a killed run "
@@ -121,6 +131,15 @@ class RunConfig:
         get_task(self.task)
         check_search_params(self.p, self.k, 10**9)  # the head count is checked once the model is loaded
         resolve_dtype(self.dtype, resolve_device(self.device))
+        if self.attn_implementation == "flash_attention_2":
+            import importlib.util
+
+            if importlib.util.find_spec("flash_attn") is None:
+                raise ValueError("attn_implementation flash_attention_2 needs the flash-attn package (CUDA only): "
+                                 "`pip install flash-attn --no-build-isolation`, or use sdpa")
+        if self.revision is not None and check_model_spec(self.model) != "hub":
+            raise ValueError(f"revision {self.revision!r} names a hub commit, but model {self.model!r} is not a hub id: "
+                             "drop revision")
         if self.stage1 == "screened":
             from cel_utils.evaluation.kinds import kind_of
 

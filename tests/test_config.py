@@ -18,7 +18,8 @@ NON_DEFAULT = {
     "model": "random:llama:tiny", "task": "arithmetic_2da", "seed": 1, "preset": "smoke", "n_discovery": 5,
     "n_holdout": 7, "p": 3, "k": 1, "fmt": "chat", "bos": "always", "num_fewshot": 1, "max_new_tokens": 20, "data_dir": str(MIRROR),
     "results_dir": None,  # the test's folder, filled in below
-    "batch_size": 3, "device": "cpu", "dtype": "bfloat16", "engine": "naive", "cache": False, "stage1": "screened",
+    "batch_size": 3, "device": "cpu", "dtype": "bfloat16", "attn_implementation": "eager", "revision": None,
+    "device_map": "auto", "token_budget": 512, "engine": "naive", "cache": False, "stage1": "screened",
     "screen": "bf16", "screen_keep": 6, "n_random_sets": 2, "n_resamples": 1, "resample": "halves",
 }
 EFFECT = {  # besides the artifact's config section: where the setting shows in what was computed
@@ -65,11 +66,23 @@ def ran(tmp_path_factory):
     return values, json.loads(artifact.read_text()), results
 
 
+# Settings this machine cannot give another value in the run above, and what is tested for them instead.
+ELSEWHERE = {"revision": "a hub id's commit: no hub here, so test_revision_needs_a_hub_model checks the refusal",
+             "results_dir": "filled in by the fixture"}
+
+
 def test_every_setting_has_a_non_default_value_here():
     assert set(NON_DEFAULT) == set(config.field_names())
     for f in dataclasses.fields(config.RunConfig):
-        if f.name != "results_dir":
+        if f.name not in ELSEWHERE:
             assert NON_DEFAULT[f.name] != f.default, f.name
+
+
+def test_revision_needs_a_hub_model(tmp_path, capsys):
+    args = ["grid", "--root", str(tmp_path), "--models", "random:llama:tiny", "--tasks", "boolq", "--preset", "smoke",
+            "--revision", "v1.0"]
+    assert main(args) == 2
+    assert "revision 'v1.0' names a hub commit, but model 'random:llama:tiny' is not a hub id" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", config.field_names())
@@ -80,7 +93,7 @@ def test_a_setting_given_to_the_grid_reaches_the_artifact(ran, name):
         assert EFFECT[name](artifact), name
 
 
-ALTERNATIVE = {"bos": "never", "n_discovery": 4, "n_holdout": 6, "p": 2, "k": 2, "fmt": "plain", "num_fewshot": 0, "max_new_tokens": 21,
+ALTERNATIVE = {"bos": "never", "attn_implementation": "sdpa", "n_discovery": 4, "n_holdout": 6, "p": 2, "k": 2, "fmt": "plain", "num_fewshot": 0, "max_new_tokens": 21,
                "device": "auto", "dtype": "float32", "engine": "fast", "stage1": "exact", "screen": "attribution",
                "screen_keep": 7,
                "n_random_sets": 3, "n_resamples": 2, "resample": "bootstrap"}
@@ -94,9 +107,9 @@ def test_skip_existing_reruns_when_a_result_changing_setting_differs(ran):
                         **{k: v for k, v in values.items() if k not in IDENTITY | {"preset", "results_dir"}})
     assert grid.up_to_date(cell) == artifact  # the same settings: skipped
     changing = set(config.result_settings()) - IDENTITY
-    assert changing == set(ALTERNATIVE)  # every result-changing setting is tried below
-    for name in sorted(changing):
+    assert changing == set(ALTERNATIVE) | {"revision"}  # every result-changing setting is tried (revision: elsewhere)
+    for name in sorted(set(ALTERNATIVE)):
         assert grid.up_to_date(grid.with_settings(cell, **{name: ALTERNATIVE[name]})) is None, name
     for name in sorted(set(config.field_names()) - changing - IDENTITY - {"preset", "results_dir"}):
-        other = {"data_dir": None, "batch_size": 8, "cache": True}[name]
+        other = {"data_dir": None, "batch_size": 8, "cache": True, "device_map": None, "token_budget": 4096}[name]
         assert grid.up_to_date(grid.with_settings(cell, **{name: other})) == artifact, name  # does not change numbers

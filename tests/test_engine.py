@@ -111,3 +111,46 @@ def test_a_shared_few_shot_prefix_is_computed_once_per_head_set_with_the_same_de
         windowed = sliding_window(lm) is not None  # sliding-window attention (gemma3, mistral): not reused
         assert (len(engine.prefix) >= 32) != windowed and all(len(r.tokens) < 32 for r in engine.rows) != windowed
         assert_same_decisions(reference, engine.evaluate(interventions))
+
+
+def test_out_of_memory_halves_the_token_budget_and_keeps_the_decisions(tiny_models, task_data, monkeypatch):
+    import cel_utils.evaluation.engine as engine_module
+
+    lm, data = tiny_models["llama"], task_data["hellaswag"]
+    interventions = _interventions(lm.geometry)
+    reference = EngineEvaluator(lm, data.task, data.discovery, data.fewshot, progress=False).evaluate(interventions)
+    real, calls = engine_module.base_model, []
+
+    def flaky(model):  # the first forward runs out of memory, as a too large stack would on a GPU
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(model)
+
+    monkeypatch.setattr(engine_module, "base_model", flaky)
+    engine = EngineEvaluator(lm, data.task, data.discovery, data.fewshot, token_budget=1024, progress=False)
+    assert_same_decisions(reference, engine.evaluate(interventions))
+    assert engine.budget_halvings == [512] and engine.token_budget == 512
+
+
+def test_packed_answers_run_in_sdpa_when_the_kernel_takes_no_mask(tiny_models, task_data):
+    from cel_utils.models.plumbing import attention_taking_masks
+
+    from types import SimpleNamespace
+
+    switched = []
+    model = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
+    model.set_attn_implementation = lambda name: switched.append(name) or setattr(model.config, "_attn_implementation", name)
+    with attention_taking_masks(model):  # as if loaded with flash attention (no CUDA here)
+        assert model.config._attn_implementation == "sdpa"
+    assert switched == ["sdpa", "flash_attention_2"]
+    eager = tiny_models["llama"]
+    data = task_data["hellaswag"]
+    interventions = _interventions(eager.geometry)
+    reference = NaiveEvaluator(eager, data.task, data.discovery, data.fewshot, progress=False).evaluate(interventions)
+    eager.model.set_attn_implementation("eager")  # eager takes the block mask as it is
+    try:
+        engine = EngineEvaluator(eager, data.task, data.discovery, data.fewshot, progress=False)
+        assert_same_decisions(reference, engine.evaluate(interventions))
+    finally:
+        eager.model.set_attn_implementation("sdpa")

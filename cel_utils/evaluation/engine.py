@@ -32,6 +32,7 @@ the shared few-shot prefix is computed once per head set and only from its lowes
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -43,7 +44,7 @@ from cel_utils.evaluation.prefix import (MIN_SHARED_PREFIX, prefix_cache, prefix
                                         sliding_window)
 from cel_utils.models.ablation import ablated_rows, head_mask
 from cel_utils.models.heads import format_heads
-from cel_utils.models.plumbing import base_model, capture_layer_outputs, start_at_layer, unembed
+from cel_utils.models.plumbing import attention_taking_masks, base_model, capture_layer_outputs, start_at_layer, unembed
 from cel_utils.tasks.prompts import Request
 from cel_utils.tasks.scoring import ContinuationStats, Outcome, continuation_stats
 
@@ -54,6 +55,7 @@ ENGINE_VERSION = "1"
 MAX_PADDING = 0.25
 # The prefix's keys and values are copied into every row of a stacked forward: cap their memory.
 PREFIX_CACHE_BYTES = 256 * 2**20
+MIN_TOKEN_BUDGET = 256  # below this, an out-of-memory error is not a budget problem
 
 
 # --- Layouts: what one batch row holds and which positions are scored -------------------------------------
@@ -126,6 +128,7 @@ class EngineEvaluator(Evaluator):
     def __init__(self, *args, token_budget: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.token_budget = token_budget or default_token_budget(self.lm.device)
+        self.budget_halvings: list[int] = []  # the token budgets an out-of-memory error made it fall back to
         if self.kind.loglikelihood:
             self.shortcut = (self.kind.compares_answers and self.task.metric == "acc"
                              and all(len(c) == 1 for r in self.requests for c in r.continuations))
@@ -168,9 +171,21 @@ class EngineEvaluator(Evaluator):
         return {**fields, "shortcut": self.shortcut, **({"shared_prefix": len(self.prefix)} if self.prefix else {})}
 
     def _evaluate(self, interventions: list[Intervention], desc: str | None) -> list[Outcome]:
-        if not self.kind.loglikelihood:
-            return self._evaluate_generation(interventions, desc)
-        return [self.decide(stats) for stats in self.continuation_stats(interventions, desc)]
+        """On out-of-memory, start again with half the token budget (what finished is stored and read back)."""
+        while True:
+            try:
+                if not self.kind.loglikelihood:
+                    return self._evaluate_generation(interventions, desc)
+                return [self.decide(stats) for stats in self.continuation_stats(interventions, desc)]
+            except torch.OutOfMemoryError:
+                if self.token_budget <= MIN_TOKEN_BUDGET:
+                    raise
+                self.token_budget //= 2
+                self.budget_halvings.append(self.token_budget)
+                if self.kind.loglikelihood:
+                    self.batches = self._make_batches()
+                if self.lm.device.type == "cuda":
+                    torch.cuda.empty_cache()
 
     # Log-likelihood tasks -----------------------------------------------------------------------------
 
@@ -218,7 +233,8 @@ class EngineEvaluator(Evaluator):
             if not todo:
                 continue
             ids, positions, attn = self._inputs(rows)
-            with capture_layer_outputs(self.lm.model, wanted) as kept:
+            masked = attention_taking_masks(self.lm.model) if attn is not None else nullcontext()
+            with masked, capture_layer_outputs(self.lm.model, wanted) as kept:
                 clean = base_model(self.lm.model)(input_ids=ids, position_ids=positions, attention_mask=attn,
                                                   **self._prefix_kwargs(clean_prefix, len(batch))).last_hidden_state
             for layer, chunk in todo:
@@ -231,7 +247,9 @@ class EngineEvaluator(Evaluator):
                     state = kept[layer - 1].repeat(m, 1, 1) if layer > 0 else None
                     states = (prefix_states(self.lm, self.prefix, None, torch.stack([masks[i] for i in chunk]), m)
                               if self.prefix else None)
-                    with ablated_rows(self.lm.model, row_masks, self.lm.geometry), start_at_layer(self.lm.model, layer, state):
+                    masked = attention_taking_masks(self.lm.model) if attn is not None else nullcontext()
+                    with masked, ablated_rows(self.lm.model, row_masks, self.lm.geometry), \
+                            start_at_layer(self.lm.model, layer, state):
                         hidden = base_model(self.lm.model)(
                             input_ids=ids.repeat(m, 1), attention_mask=None if attn is None else attn.repeat(m, 1, 1, 1),
                             position_ids=None if positions is None else positions.repeat(m, 1),

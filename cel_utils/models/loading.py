@@ -196,19 +196,28 @@ def display_name(spec: str) -> str:
 
 
 def load_model(spec: str = DEFAULT_MODEL, *, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
-               attn_implementation: str | None = "sdpa") -> LoadedModel:
-    """Load a causal LM for evaluation and check that cel_utils knows its attention layout."""
+               attn_implementation: str = "sdpa", revision: str | None = None,
+               device_map: str | None = None) -> LoadedModel:
+    """Load a causal LM for evaluation and check that cel_utils knows its attention layout.
+
+    ``revision``: a hub branch, tag or commit; ``device_map`` (e.g. ``"auto"``): spread a model larger than one GPU
+    over the devices (accelerate's), instead of moving it whole to ``device``.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if check_model_spec(spec) == "random":
         family, _, size = spec.removeprefix("random:").partition(":")
-        return random_model(family, size or "tiny", device=device, dtype=dtype)
+        return random_model(family, size or "tiny", device=device, dtype=dtype, attn_implementation=attn_implementation)
     location, source = locate(spec)
+    if revision is not None and source["kind"] != "hub":
+        raise ValueError(f"revision {revision!r} is for hub ids; {spec!r} is a {source['kind']} model: drop revision")
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     pinned = {}  # a hub model is loaded at the commit its fingerprint names, even if the repository moves meanwhile
-    if source["kind"] == "hub" and (commit := _hub_commit(spec)):
+    if source["kind"] == "hub" and (commit := _hub_commit(spec, revision)):
         source, pinned = {**source, "revision": commit}, {"revision": commit}
+    elif revision is not None:
+        pinned = {"revision": revision}
     stamps = _stamps(weight_files(Path(location))) if source["kind"] == "local" else None
     try:
         config = AutoConfig.from_pretrained(location, **pinned)
@@ -218,10 +227,12 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str | torch.device = "auto"
             "readable, `hf auth login` for gated models) and that the hub is reachable; offline, pass a local "
             f"checkpoint directory. Model specs are {SPEC_FORMS}") from error
     architecture(config)  # fail before reading gigabytes of weights
-    kwargs = {"dtype": dtype, **pinned}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(location, **kwargs).to(device).eval()
+    kwargs = {"dtype": dtype, "attn_implementation": attn_implementation, **pinned}
+    if device_map:
+        model = AutoModelForCausalLM.from_pretrained(location, device_map=device_map, **kwargs).eval()
+        device = model.get_input_embeddings().weight.device  # where inputs go; each layer moves them on itself
+    else:
+        model = AutoModelForCausalLM.from_pretrained(location, **kwargs).to(device).eval()
     model.requires_grad_(False)
     if stamps is not None and (weights := checkpoint_sha256(Path(location), stamps)):
         source = {**source, "weights_sha256": weights}
@@ -233,7 +244,8 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str | torch.device = "auto"
 
 
 def random_model(family: str = "llama", size: str = "tiny", *, tokenizer=None, seed: int = 0,
-                 device: str | torch.device = "auto", dtype: str | torch.dtype = "auto") -> LoadedModel:
+                 device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
+                 attn_implementation: str = "sdpa") -> LoadedModel:
     """A randomly initialised causal LM of ``family`` (:mod:`cel_utils.models.random_models`), wrapped like
     :func:`load_model`; the tokenizer is the default model's unless given, so prompts are real text."""
     from transformers import AutoTokenizer
@@ -243,7 +255,8 @@ def random_model(family: str = "llama", size: str = "tiny", *, tokenizer=None, s
     tokenizer = tokenizer or AutoTokenizer.from_pretrained(locate(DEFAULT_MODEL)[0])
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    model = build_random_model(family, size, vocab_size=len(tokenizer), seed=seed, device=device, dtype=dtype)
+    model = build_random_model(family, size, vocab_size=len(tokenizer), seed=seed, device=device, dtype=dtype,
+                               attn_implementation=attn_implementation)
     spec = f"random:{family}:{size}"
     return LoadedModel(model=model, tokenizer=tokenizer, geometry=head_geometry(model), spec=spec, name=display_name(spec),
                        device=device, dtype=dtype, source={"kind": "random", "family": family, "size": size, "seed": seed})
@@ -277,13 +290,14 @@ def checkpoint_sha256(folder: Path, stamps: list[tuple[str, int, int]]) -> str |
     return digest.hexdigest() if files else None
 
 
-def _hub_commit(repo_id: str) -> str | None:
-    """The commit a hub repository's default branch points to (offline: the one cached last); None if unknown."""
+def _hub_commit(repo_id: str, revision: str | None = None) -> str | None:
+    """The commit a hub repository's ``revision`` (default branch) points to (offline: the one cached last); None if
+    unknown."""
     from huggingface_hub import resolve_revision
 
     for local_only in (False, True):
         try:
-            return resolve_revision(repo_id, local_files_only=local_only).resolved
+            return resolve_revision(repo_id, revision=revision, local_files_only=local_only).resolved
         except Exception:  # unreachable hub, unknown or gated repo: loading reports that better, or works offline
             continue
     return None

@@ -152,13 +152,32 @@ def base_model(model: nn.Module) -> nn.Module:
     return get_module(model, architecture(model)[0].rsplit(".", 1)[0])
 
 
+# Attention kernels that take no custom 4D mask: the engine's packed answers (a block mask) run in sdpa instead.
+MASKLESS_ATTENTION = ("flash_attention_2", "flash_attention_3")
+
+
+@contextmanager
+def attention_taking_masks(model: nn.Module) -> Iterator[None]:
+    """Inside the block the model's attention accepts a custom 4D mask: a flash-attention kernel is swapped for
+    sdpa (the same attention, computed another way), and restored afterwards."""
+    current = model.config._attn_implementation
+    if current not in MASKLESS_ATTENTION:
+        yield
+        return
+    model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(current)
+
+
 def unembed(model: nn.Module, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Logits from final (normed) hidden states, optionally for some vocabulary rows only."""
     head = model.get_output_embeddings()
     weight = head.weight if rows is None else head.weight[rows]
     bias = getattr(head, "bias", None)
     bias = None if bias is None else (bias if rows is None else bias[rows])
-    logits = nn.functional.linear(hidden, weight, bias)
+    logits = nn.functional.linear(hidden.to(weight.device), weight, bias)  # a spread model keeps the head elsewhere
     cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap

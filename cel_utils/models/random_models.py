@@ -48,13 +48,13 @@ def random_config(family: str, size: str = "tiny", vocab_size: int = 49152):
 
 
 def build_random_model(family: str, size: str, *, vocab_size: int, seed: int, device: torch.device,
-                       dtype: torch.dtype) -> torch.nn.Module:
+                       dtype: torch.dtype, attn_implementation: str = "sdpa") -> torch.nn.Module:
     """A randomly initialised causal LM of ``family`` in eval mode, gradients off (wrapped by
     :func:`cel_utils.models.loading.random_model`)."""
     from transformers import AutoModelForCausalLM
 
     config = random_config(family, size, vocab_size=vocab_size)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation).to(device).eval()
     model.requires_grad_(False)
     return model

@@ -37,6 +37,12 @@ class CelRun:
     timings: dict = field(default_factory=dict)
 
 
+def load_for(config: RunConfig) -> LoadedModel:
+    """The model as ``config`` says: spec, device, dtype, attention kernel, revision, device map."""
+    return load_model(config.model, device=config.device, dtype=config.dtype, attn_implementation=config.attn_implementation,
+                      revision=config.revision, device_map=config.device_map)
+
+
 def make_evaluator(lm: LoadedModel, data: TaskData, items, config: RunConfig, progress: bool | str = True,
                    store: EvalStore | None = None) -> Evaluator:
     """An evaluator of ``items`` as ``config`` says; with ``config.cache`` it reads and writes ``store``
@@ -48,7 +54,7 @@ def make_evaluator(lm: LoadedModel, data: TaskData, items, config: RunConfig, pr
     if config.engine == "fast":
         from cel_utils.evaluation.engine import EngineEvaluator
 
-        return EngineEvaluator(lm, data.task, items, data.fewshot, **kwargs)
+        return EngineEvaluator(lm, data.task, items, data.fewshot, token_budget=config.token_budget, **kwargs)
     return NaiveEvaluator(lm, data.task, items, data.fewshot, **kwargs)
 
 
@@ -61,7 +67,7 @@ def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool | s
     timings["data_s"] = time.perf_counter() - start
     if lm is None:
         start = time.perf_counter()
-        lm = load_model(config.model, device=config.device, dtype=config.dtype)
+        lm = load_for(config)
         timings["model_load_s"] = time.perf_counter() - start
     check_search_params(config.p, config.k, lm.geometry.n_total)
     store = EvalStore() if config.cache else None
@@ -98,7 +104,10 @@ def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool | s
     # artifact's run info is never an older run's.
     write_json(run_info_path(config.artifact_path),
                {"artifact": config.artifact_path.name, "created": utc_now(), "timings": timings,
-                "store": store.counts() if store else None})
+                "store": store.counts() if store else None,
+                # token budgets an out-of-memory error fell back to (the engine halves and starts again)
+                "token_budget_halvings": {"discovery": getattr(discovery.evaluator, "budget_halvings", []),
+                                          "holdout": getattr(holdout_evaluator, "budget_halvings", [])}})
     path = write_json(config.artifact_path, payload)
     return CelRun(config=config, lm=lm, data=data, search=search, holdout=holdout, artifact=path, timings=timings)
 

@@ -11,9 +11,8 @@ from cel_utils.config import StrategiesConfig
 from cel_utils.evaluation.kinds import kind_of
 from cel_utils.evaluation.outcomes import OutcomeTable
 from cel_utils.models.heads import format_heads, head_set
-from cel_utils.models.loading import load_model
 from cel_utils.pipeline.artifacts import SCHEMA_VERSION, run_info_path, utc_now, write_json
-from cel_utils.pipeline.protocol import make_evaluator
+from cel_utils.pipeline.protocol import load_for, make_evaluator
 from cel_utils.search.algorithm import check_search_params
 from cel_utils.search.attribution import head_attributions
 from cel_utils.search.ranking import score
@@ -38,7 +37,7 @@ def compare_strategies(config: StrategiesConfig, *, lm=None, progress: bool = Tr
     timings = {}
     data = load_task_data(config.task, config.n_discovery, config.n_holdout, seed=config.seed,
                           num_fewshot=config.num_fewshot, data_dir=config.data_dir)
-    lm = lm or load_model(config.model, device=config.device, dtype=config.dtype)
+    lm = lm or load_for(config)
     check_search_params(config.p, config.k, lm.geometry.n_total)
     discovery = OutcomeTable(make_evaluator(lm, data, data.discovery, config, progress))
     generate = not kind_of(data.task).loglikelihood
