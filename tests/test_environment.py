@@ -30,10 +30,13 @@ def test_python_version_agrees():
     assert (major, minor) >= low
 
 
-def test_torch_is_pinned_to_the_cpu_wheel_on_disk():
-    # a looser pin makes pip on a fresh CPU machine pull a multi-GB CUDA build
+def test_torch_is_a_range_and_the_makefile_installs_one_exact_build_first():
+    # a pin in the package would replace a cluster's own torch; the Makefile's default is this machine's CPU wheel
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    assert "torch==2.13.0" in project["dependencies"]
+    assert "torch>=2.5" in project["dependencies"]
+    makefile = (REPO / "Makefile").read_text()
+    assert "TORCH ?= torch==2.13.0" in makefile
+    assert makefile.index('pip install --quiet "$(TORCH)"') < makefile.index("pip install --quiet -e .")
     assert "jupyter-book>=1.0,<2" in project["dependencies"]  # 2.x downloads its theme at build time
 
 
