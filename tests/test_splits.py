@@ -5,7 +5,7 @@ import pytest
 
 from cel_utils.tasks.arithmetic_gen import ARITHMETIC_CONFIGS, generate_arithmetic
 from cel_utils.tasks.specs import Item, get_task
-from cel_utils.tasks.splits import check_disjoint, content_key, load_task_data
+from cel_utils.tasks.splits import FEWSHOT_RESERVE, check_disjoint, content_key, load_task_data
 
 
 def _keys(task, items):
@@ -94,3 +94,39 @@ def test_generator_matches_the_dataset_format(data_dir):
         if word:
             assert all(word in row["context"] for row in real + made)
     assert generate_arithmetic("arithmetic_3ds", 5, seed=1) == generate_arithmetic("arithmetic_3ds", 5, seed=1)
+
+
+def _mirror_with_train_splits(root, source) -> str:
+    """The local mirror, plus synthetic BoolQ and HellaSwag train splits (2,000 rows each, their own content)."""
+    import json
+
+    for name in ("arithmetic", "mbpp"):
+        (root / name).symlink_to(source / name, target_is_directory=True)
+    for name, field in (("boolq", "question"), ("hellaswag", "ctx_a")):
+        folder = root / name
+        folder.mkdir()
+        (folder / "validation.jsonl").symlink_to(source / name / "validation.jsonl")
+        card = (source / name / "README.md").read_text()
+        (folder / "README.md").write_text(card.replace("  - split: validation\n    path: validation.jsonl\n",
+                                                        "  - split: validation\n    path: validation.jsonl\n"
+                                                        "  - split: train\n    path: train.jsonl\n", 1))
+        rows = [json.loads(line) for line in (source / name / "validation.jsonl").read_text().splitlines()[:2000]]
+        (folder / "train.jsonl").write_text("".join(json.dumps({**row, field: f"{row[field]} (train copy {i})"}) + "\n"
+                                                    for i, row in enumerate(rows)))
+    return str(root)
+
+
+def test_default_sizes_are_table_3_when_the_train_splits_exist(tmp_path, data_dir):
+    from pathlib import Path
+
+    mirror = _mirror_with_train_splits(tmp_path, Path(data_dir))
+    table_3 = {"arithmetic": (2000, 1000), "boolq": (2000, 3270), "hellaswag": (2000, 10042), "mbpp": (374, 500)}
+    for task, sizes in table_3.items():
+        data = load_task_data(task, data_dir=mirror)
+        assert (len(data.discovery), len(data.holdout)) == sizes, task
+        assert "fallback" not in data.provenance
+    # the local mirror has no BoolQ or HellaSwag train split: discovery comes from validation, the rest is holdout
+    # (less the exemplar reserve), every item kept, duplicates included
+    for task, n_validation in (("boolq", 3270), ("hellaswag", 10042)):
+        data = load_task_data(task, data_dir=data_dir)
+        assert (len(data.discovery), len(data.holdout)) == (2000, n_validation - 2000 - FEWSHOT_RESERVE)
