@@ -173,13 +173,16 @@ KERNEL_START_ATTEMPTS = 3
 
 
 def _execute(cell: Cell) -> None:
-    """papermill on the cell's notebook, into its staging path; a kernel that fails to start is started again."""
+    """papermill on the cell's notebook, into its staging path; a kernel that fails to start is started again.
+    The kernel's traffic is encrypted, and in a job its printed output streams to the log (cel_utils.grid.kernel)."""
     import papermill as pm
+
+    from cel_utils.grid.kernel import papermill_options
 
     for attempt in range(1, KERNEL_START_ATTEMPTS + 1):
         try:
             pm.execute_notebook(cell.notebook, str(cell.staging), parameters=cell.parameters,
-                                kernel_name=cell.kernel_name, progress_bar=False, cwd=cell.cwd)
+                                kernel_name=cell.kernel_name, progress_bar=False, cwd=cell.cwd, **papermill_options())
             return
         except RuntimeError as error:
             if attempt == KERNEL_START_ATTEMPTS or not str(error).startswith(KERNEL_START_ERRORS):

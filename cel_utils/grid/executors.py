@@ -2,31 +2,20 @@
 
 ``local`` runs cells one after the other, or ``jobs`` at a time in worker processes (each papermill run starts its own
 kernel); ``submitit-local`` and ``slurm`` submit one submitit job per cell (like the paper: one job per model-task),
-the first on this machine, the second to a Slurm cluster. A failure is recorded in its cell's result and the others go
-on; results come back in grid order.
+or one Slurm job array, the first on this machine, the second to a Slurm cluster (:mod:`cel_utils.grid.jobs`,
+options in :mod:`cel_utils.grid.slurm`). A failure is recorded in its cell's result and the others go on; results
+come back in grid order.
 """
 from __future__ import annotations
 
 import os
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 from cel_utils.checks import check_int
 from cel_utils.grid.cells import Cell, CellResult, _stat, failed_result, result_line, run_cell
+from cel_utils.grid.slurm import SlurmOptions
 
 EXECUTORS = ("local", "submitit-local", "slurm")
-
-
-@dataclass
-class SlurmOptions:
-    partition: str | None = None
-    timeout_min: int = 12 * 60
-    gpus_per_node: int = 1
-    cpus_per_task: int = 8
-    mem_gb: int = 64
-    extra: dict = field(default_factory=dict)  # passed as slurm_additional_parameters
 
 
 def run_grid(cells: list[Cell], executor: str = "local", *, jobs: int = 1, skip_existing: bool = False,
@@ -38,6 +27,7 @@ def run_grid(cells: list[Cell], executor: str = "local", *, jobs: int = 1, skip_
     if executor not in EXECUTORS:
         raise ValueError(f"unknown executor {executor!r}: choose from {EXECUTORS}")
     check_int("jobs", jobs)
+    options = (slurm or SlurmOptions()).validate()
     results: dict[str, CellResult] = {}
     bar = tqdm(total=len(cells), desc="CEL grid", unit="run", disable=not progress)
 
@@ -57,7 +47,10 @@ def run_grid(cells: list[Cell], executor: str = "local", *, jobs: int = 1, skip_
         elif executor == "local":
             _run_pool(cells, jobs, skip_existing, done)
         else:
-            _run_submitit(cells, executor, skip_existing, slurm or SlurmOptions(), log_dir, poll_s, done)
+            from cel_utils.grid.jobs import run_submitit
+
+            run_submitit(cells, executor, skip_existing, options, log_dir, poll_s, done,
+                         bar.write if progress else lambda text: None)
     finally:
         bar.close()
     return [results[cell.name] for cell in cells if cell.name in results]
@@ -75,30 +68,3 @@ def _run_pool(cells: list[Cell], jobs: int, skip_existing: bool, done: Callable)
             except Exception as error:  # noqa: BLE001 - the worker process died
                 cell, before = futures[future]
                 done(failed_result(cell, error, before))
-
-
-def _run_submitit(cells: list[Cell], executor: str, skip_existing: bool, slurm: SlurmOptions, log_dir, poll_s: float,
-                  done: Callable) -> None:
-    import submitit
-
-    folder = Path(log_dir or Path(cells[0].results_dir if cells else "results") / "submitit") / "%j"
-    cluster = "local" if executor == "submitit-local" else "slurm"
-    ex = submitit.AutoExecutor(folder=folder, cluster=cluster)
-    params = {"name": "cel", "timeout_min": slurm.timeout_min}
-    if cluster == "slurm":
-        params.update(gpus_per_node=slurm.gpus_per_node, cpus_per_task=slurm.cpus_per_task, mem_gb=slurm.mem_gb,
-                      slurm_additional_parameters=dict(slurm.extra))
-        if slurm.partition:
-            params["slurm_partition"] = slurm.partition
-    ex.update_parameters(**params)
-    submitted = {}
-    for cell in cells:
-        before, started = _stat(cell.artifact), time.perf_counter()
-        job = ex.submit(run_cell, cell, skip_existing)
-        submitted[job.job_id] = (job, cell, before, started)
-    for job in submitit.helpers.as_completed([entry[0] for entry in submitted.values()], poll_frequency=poll_s):
-        _, cell, before, started = submitted[job.job_id]
-        try:
-            done(job.result())
-        except Exception as error:  # noqa: BLE001 - the job died outside run_cell
-            done(failed_result(cell, error, before, time.perf_counter() - started))
