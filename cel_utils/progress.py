@@ -21,7 +21,8 @@ class LogProgress:
     """tqdm's ``update``/``close`` interface, writing ``[cel] <desc>: n/total, elapsed, ETA`` lines."""
 
     def __init__(self, total: int, desc: str, unit: str, every_s: float = LOG_EVERY_S, stream=None):
-        self.total, self.desc, self.unit, self.every_s = total, desc, unit, every_s
+        self.total, self.desc, self.every_s = total, desc, every_s
+        self.units = unit + ("es" if unit.endswith(("s", "sh", "ch", "x")) else "s")
         self.stream = stream or sys.stderr
         self.n, self.start = 0, time.perf_counter()
         self.last = self.start
@@ -37,10 +38,10 @@ class LogProgress:
             self.last = now
             elapsed = now - self.start
             eta = elapsed / self.n * (self.total - self.n) if self.n else float("nan")
-            self._write(f"{self.n}/{self.total} {self.unit}s, {elapsed:.0f} s elapsed, ETA {eta:.0f} s")
+            self._write(f"{self.n}/{self.total} {self.units}, {elapsed:.0f} s elapsed, ETA {eta:.0f} s")
 
     def close(self) -> None:
-        self._write(f"{self.n}/{self.total} {self.unit}s in {time.perf_counter() - self.start:.0f} s")
+        self._write(f"{self.n}/{self.total} {self.units} in {time.perf_counter() - self.start:.0f} s")
 
 
 class _Off:

@@ -26,7 +26,8 @@ def test_presets_are_partial_configurations_of_known_settings():
     paper = config.RunConfig.from_dict({"task": "boolq", "preset": "paper"})
     assert (paper.n_discovery, paper.n_holdout, paper.p, paper.k, paper.preset) == (None, None, 10, 3, "paper")
     cpu = config.RunConfig.from_dict({"task": "arithmetic_2da", "preset": "cpu", "p": 4})
-    assert cpu.n_discovery == config.PRESETS["cpu"]["arithmetic"]["n_discovery"] and cpu.p == 4  # given beats preset
+    assert cpu.n_discovery == config.preset_values("cpu", "arithmetic_2da")["n_discovery"] and cpu.p == 4  # given wins
+    assert config.preset_values("cpu", "mbpp")["n_discovery"] != config.PRESETS["cpu"]["*"]["n_discovery"]  # a row adds
     assert config.resolve_preset("auto") in ("cpu", "paper")
     with pytest.raises(ValueError, match="unknown preset"):
         config.resolve_preset("huge")
@@ -50,7 +51,7 @@ def test_plan_applies_preset_and_overrides_and_validates_first(tmp_path):
     assert [c.name for c in cells] == ["random-llama-tiny__arithmetic_2da__seed0", "random-llama-tiny__arithmetic_2da__seed1",
                                        "random-llama-tiny__boolq__seed0", "random-llama-tiny__boolq__seed1"]
     first = cells[0].config()
-    assert first.n_discovery == config.PRESETS["cpu"]["arithmetic"]["n_discovery"] and first.n_holdout == 7
+    assert first.n_discovery == config.preset_values("cpu", "arithmetic_2da")["n_discovery"] and first.n_holdout == 7
     assert first.engine == "naive" and Path(first.results_dir).is_absolute() and first.preset == "cpu"
     assert cells[0].parameters["config"] == {"engine": "naive", "n_holdout": 7, "results_dir": first.results_dir}
     assert cells[0].page == tmp_path / "runs" / "random-llama-tiny__arithmetic_2da__seed0.ipynb"

@@ -106,7 +106,8 @@ def plan(models: Iterable[str], tasks: Iterable[str], seeds: Iterable[int] = (0,
         for task in tasks:
             for seed in seeds:
                 parameters = {"model": model, "task": task, "seed": seed, "preset": preset,
-                              "config": {**settings, "results_dir": str(results_dir)}}
+                              "config": {**settings, "results_dir": str(results_dir)},
+                              "progress": "log"}  # lines a terminal or a Slurm log can show (cel_utils.progress)
                 cell = Cell(parameters=parameters, runs_dir=str(Path(runs_dir).resolve()),
                             results_dir=str(results_dir / config_class.ARTIFACT_SUBDIR),
                             notebook=str(Path(notebook).resolve()), cwd=str(Path(cwd).resolve()) if cwd else None,
