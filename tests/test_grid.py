@@ -168,3 +168,22 @@ def test_cell_is_picklable_for_submitit():
     (cell,) = grid.plan([GOOD], ["boolq"], [0], "smoke", results_dir="/tmp")
     assert pickle.loads(pickle.dumps(cell)).parameters == cell.parameters
     assert json.dumps(asdict(grid.CellResult("n", "m", "t", 0, "ok")))
+
+
+def test_local_workers_each_get_their_own_gpu(monkeypatch):
+    import queue
+
+    import torch
+
+    from cel_utils.grid import executors
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert executors.visible_gpus() == ["3", "5"]  # what the machine's own setting allows
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert executors.visible_gpus() == ["0", "1"]
+    handed = queue.Queue()
+    handed.put("1")
+    executors.claim_gpu(handed)  # what a worker process does first
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"

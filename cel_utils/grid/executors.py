@@ -56,11 +56,33 @@ def run_grid(cells: list[Cell], executor: str = "local", *, jobs: int = 1, skip_
     return [results[cell.name] for cell in cells if cell.name in results]
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (none on a machine without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    named = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    return named[:torch.cuda.device_count()] if named else [str(i) for i in range(torch.cuda.device_count())]
+
+
+def claim_gpu(queue) -> None:
+    """Worker initializer: take one GPU from ``queue`` and see only it (the cell's kernel inherits the variable)."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = queue.get()
+
+
 def _run_pool(cells: list[Cell], jobs: int, skip_existing: bool, done: Callable) -> None:
+    """``jobs`` worker processes; with GPUs, each worker gets its own (round robin when there are more workers)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+    context, gpus, setup = multiprocessing.get_context("spawn"), visible_gpus(), {}
+    if gpus:
+        queue = context.Queue()
+        for worker in range(jobs):
+            queue.put(gpus[worker % len(gpus)])
+        setup = {"initializer": claim_gpu, "initargs": (queue,)}
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context, **setup) as pool:
         futures = {pool.submit(run_cell, cell, skip_existing): (cell, _stat(cell.artifact)) for cell in cells}
         for future in as_completed(futures):
             try:
