@@ -259,9 +259,10 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     },
     "paper": {"*": dict(batch_size=32)},
     "quick": {
-        "*": dict(n_discovery=16, n_holdout=100, p=5, k=2, n_random_sets=5, n_resamples=4),
+        "*": dict(n_discovery=32, n_holdout=100, p=5, k=2, stage1="screened", screen="attribution", screen_keep=10,
+                  n_random_sets=2, n_resamples=2),
         "arithmetic": dict(num_fewshot=3),
-        "mbpp": dict(n_discovery=2, n_holdout=10, max_new_tokens=96, n_random_sets=2, n_resamples=2),
+        "mbpp": dict(n_discovery=4, n_holdout=10, p=3, screen_keep=5, max_new_tokens=96),
     },
     "smoke": {
         "*": dict(n_discovery=6, n_holdout=8, p=3, k=2, max_new_tokens=32, n_random_sets=3, n_resamples=3),
