@@ -92,9 +92,15 @@ class RunConfig:
                           "paper's) or screened (a cheap screen ranks every head; only its top screen_keep are "
                           "evaluated exactly)", choices=STAGE1_MODES)
     screen: str = setting("attribution", "the screen of a screened stage 1: attribution (attribution patching on the "
-                          "decision margin; MBPP: on the reference solution's likelihood), attribution-flips, bf16 "
-                          "(exact in bfloat16)", choices=SCREENS)
+                          "decision margin; MBPP: on the reference solution's likelihood), attribution-flips (its "
+                          "first-order flip count), boundary (attribution-flips' top screen_candidates evaluated "
+                          "exactly on the screen_items items nearest the decision boundary), bf16 (exact in "
+                          "bfloat16); see cel_utils.search.screening", choices=SCREENS)
     screen_keep: int = setting(30, "m: heads the screen passes on to exact evaluation (at least p)", minimum=1)
+    screen_candidates: int = setting(80, "boundary screen: heads attribution-flips passes on to the boundary items",
+                                     minimum=1)
+    screen_items: int = setting(16, "boundary screen: discovery items nearest the decision boundary (smallest |margin| "
+                                "of the full model) on which its candidates are evaluated exactly", minimum=1)
     n_random_sets: int = setting(100, "random head sets of the frozen set's size scored on the holdout, a null for "
                                  "the search (0: off)", minimum=0)
     n_resamples: int = setting(50, "reruns of the whole selection on resampled discovery sets, for stability (0: off)",
@@ -146,8 +152,8 @@ class RunConfig:
             if self.screen_keep < self.p:
                 raise ValueError(f"screen_keep m={self.screen_keep} is smaller than the pool size p={self.p}: the pool "
                                  "is drawn from the heads the screen passes on, so use screen_keep >= p")
-            if self.screen == "attribution-flips" and not kind_of(get_task(self.task)).loglikelihood:
-                raise ValueError(f"the attribution-flips screen counts decisions by their margins; {self.task} is "
+            if self.screen in ("attribution-flips", "boundary") and not kind_of(get_task(self.task)).loglikelihood:
+                raise ValueError(f"the {self.screen} screen counts decisions by their margins; {self.task} is "
                                  "decided by running code: use screen='attribution'")
         resolve_data_dir(self.data_dir)
         if self.cache:  # fails now, not after the search, if the store cannot be written

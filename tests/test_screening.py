@@ -83,3 +83,22 @@ def test_mbpp_is_screened_by_the_reference_solutions_likelihood(tiny_models, dat
     assert np.abs(run_screen("attribution", evaluator).scores()).max() > 0
     with pytest.raises(ValueError, match="use the attribution screen"):
         run_screen("attribution-flips", evaluator)
+
+
+def test_the_boundary_screen_evaluates_its_candidates_exactly_on_the_items_nearest_the_boundary(discovery):
+    table = OutcomeTable(discovery)
+    heads = discovery.lm.geometry.all_heads()
+    exact = table.evaluate([()] + [(h,) for h in heads])
+    flips = run_screen("attribution-flips", discovery)
+    screen = run_screen("boundary", discovery, candidates=5, items=3)
+    assert set(screen.order()[:5]) == set(flips.order()[:5])  # the candidates, whatever their boundary scores
+    assert screen.order()[5:] == [h for h in flips.order() if h not in flips.order()[:5]]  # the rest as flips had them
+    near = np.argsort(np.abs(exact[0].margin))[:3]
+    assert sorted(screen.boundary) == sorted(near)  # the items the full model is closest to changing
+    for head in flips.order()[:5]:  # each candidate's number is its exact gain count on those items
+        outcome = exact[1 + heads.index(head)]
+        want = int(outcome.correct[near].sum()) - int(exact[0].correct[near].sum())
+        assert screen.scores()[heads.index(head)] == want
+    assert screen.to_json(4)["candidates"] == 5 and screen.to_json(4)["boundary_items"] == 3
+    resampled = screen.view(np.array([0, 0, 1, 2, 3, 4, 5, 6]))
+    assert set(resampled.order()[:5]) == set(screen.order()[:5])  # a resample re-ranks the same candidates

@@ -77,7 +77,8 @@ def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool | s
     holdout_evaluator = make_evaluator(lm, data, data.holdout, config, progress, store)
     # The table keeps every per-item outcome of the search, which the stability analysis resamples.
     discovery = OutcomeTable(make_evaluator(lm, data, data.discovery, config, progress, store))
-    screen = run_screen(config.screen, discovery) if config.stage1 == "screened" else None
+    screen = (run_screen(config.screen, discovery, candidates=config.screen_candidates, items=config.screen_items)
+              if config.stage1 == "screened" else None)
     if screen is not None:
         timings["screen_s"] = screen.seconds
     search = run_search(discovery, p=config.p, k=config.k, screen=screen, keep=config.screen_keep)
