@@ -269,7 +269,8 @@ def cmd_export(args) -> int:
 
     artifact = read_artifact(Path(args.artifact))
     heads = [parse_head(h) for h in artifact["frozen"]["heads"]]
-    lm = load_model(artifact["config"]["model"], device=args.device, dtype=artifact["model"]["dtype"])
+    cfg = artifact["config"]
+    lm = load_model(cfg["model"], device=args.device, dtype=artifact["model"]["dtype"], revision=cfg.get("revision"))
     if lm.fingerprint != artifact["model"]["fingerprint"] and not args.force:
         print(f"error: the weights of {artifact['config']['model']!r} loaded now (fingerprint {lm.fingerprint}) are not "
               f"those the run used ({artifact['model']['fingerprint']}); pass --force to export anyway", file=sys.stderr)
