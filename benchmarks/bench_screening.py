@@ -47,7 +47,7 @@ def _rho(method, x, y) -> float | None:
 
 
 def bench_task(lm, task: str, n_discovery: int, screens: list[str], keeps: list[int], p: int, k: int, measure_keep: int,
-               previous: dict) -> dict:
+               previous: dict, boundary: dict) -> dict:
     config = RunConfig.from_dict({"task": task, "preset": "cpu", "n_discovery": n_discovery})
     data = load_task_data(task, config.n_discovery, config.n_holdout, seed=config.seed, num_fewshot=config.num_fewshot,
                           data_dir=config.data_dir)
@@ -76,11 +76,12 @@ def bench_task(lm, task: str, n_discovery: int, screens: list[str], keeps: list[
     if out["exact"]["seconds"] is None:  # read back from the store: keep the time an earlier invocation measured
         out["exact"]["seconds"] = previous.get("exact", {}).get("seconds")
     for method in screens:
-        if method == "attribution-flips" and not evaluator.kind.loglikelihood:
+        if method in ("attribution-flips", "boundary") and not evaluator.kind.loglikelihood:
             continue
-        screen = run_screen(method, evaluator)
+        screen = run_screen(method, evaluator, **boundary)
         scores = screen.scores()
         row = {"seconds": screen.seconds, "forward_equivalents": screen.forward_equivalents,
+               **(boundary if method == "boundary" else {}),
                "spearman_gain": _rho(stats.spearmanr, scores, [gain[h] for h in heads]),
                "kendall_gain": _rho(stats.kendalltau, scores, [gain[h] for h in heads]),
                "spearman_margin": _rho(stats.spearmanr, scores, [margin[h] for h in heads]),
@@ -117,7 +118,8 @@ def markdown(results: list[dict], keeps: list[int]) -> str:
             rho = "n/a" if row["spearman_gain"] is None else f"{row['spearman_gain']:.2f}"
             wall = (f"{exact_s:.0f} s / {row['seconds']:.0f} s / {row['screened_stage1_seconds']:.0f} s (m={row['measured_keep']})"
                     if exact_s else f"? / {row['seconds']:.0f} s / {row['screened_stage1_seconds']:.0f} s")
-            lines.append(f"| {r['task']} ({r['n_discovery']} items) | {method} | {rho} | {recall} | {same} | {wall} |")
+            label = f"{method} ({row['candidates']} heads x {row['items']} items)" if "candidates" in row else method
+            lines.append(f"| {r['task']} ({r['n_discovery']} items) | {label} | {rho} | {recall} | {same} | {wall} |")
     return "\n".join(lines)
 
 
@@ -130,6 +132,8 @@ def main() -> None:
     parser.add_argument("--measure-keep", type=int, default=30, help="m of the separately timed screened stage 1")
     parser.add_argument("--p", type=int, default=10)
     parser.add_argument("--k", type=int, default=2)
+    parser.add_argument("--candidates", type=int, default=60, help="boundary screen: heads passed to the boundary items")
+    parser.add_argument("--items", type=int, default=12, help="boundary screen: items nearest the decision boundary")
     parser.add_argument("--out", default="results/bench/screening.json")
     args = parser.parse_args()
     out = Path(args.out)
@@ -138,7 +142,8 @@ def main() -> None:
     results = []
     for task in args.tasks:
         results.append(bench_task(lm, task, args.n_discovery, args.screens, args.keeps, args.p, args.k,
-                                  args.measure_keep, previous.get(task, {})))
+                                  args.measure_keep, previous.get(task, {}),
+                                  {"candidates": args.candidates, "items": args.items}))
         done = {**previous, **{r["task"]: r for r in results}}
         atomic_write(out, json.dumps(list(done.values()), indent=1) + "\n")  # after every task: a stop loses little
         print(markdown(results, args.keeps), flush=True)
