@@ -51,6 +51,7 @@ def test_readme_cpu_table_matches_the_cpu_preset():
     for task, *cells in rows:
         c = RunConfig.from_dict({"task": task.strip(), "preset": "cpu"})
         fewshot = c.num_fewshot if c.num_fewshot is not None else get_task(c.task).default_fewshot
-        expected = [fewshot, c.n_discovery, c.n_holdout, c.p, c.k, c.n_random_sets, c.n_resamples,
+        expected = [fewshot, c.n_discovery, c.n_holdout, c.screen if c.stage1 == "screened" else "exact",
+                    c.screen_keep if c.stage1 == "screened" else "all", c.p, c.k, c.n_random_sets, c.n_resamples,
                     c.max_new_tokens if c.task == "mbpp" else "-"]
         assert [cell.strip() for cell in cells] == [str(value) for value in expected], task
