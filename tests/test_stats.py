@@ -227,6 +227,13 @@ def test_results_page_shows_interval_p_value_null_and_stability(tmp_path):
     table = run_page.stability_table(new)
     assert list(table.index) == ["L0.H0+L1.H2 (frozen)", "L1.H2"] and list(table["holdout gain (points)"]) == [25.0, 12.5]
     assert run_page.reliability_table(new).loc["exact McNemar p (two-sided)"].iloc[0] == "0.012"
+    assert "not run" not in " ".join(run_page.reliability_table(new)[""])
+    # a part the preset turned off is named as not run, not left out in silence
+    off = {**new, "config": {**new["config"], "n_random_sets": 0, "n_resamples": 0},
+           "reliability": {**new["reliability"], "null": None, "stability": None}}
+    rows = run_page.reliability_table(off)[""]
+    assert rows["selection stability"].startswith("not run (n_resamples = 0")
+    assert rows["random sets of the same size"].startswith("not run (n_random_sets = 0")
 
     import matplotlib
 

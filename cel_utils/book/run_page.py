@@ -246,6 +246,11 @@ def reliability_table(artifact: dict) -> pd.DataFrame:
                                        f"{100 * st['frozen_set_frequency']:.0f}%, {st['distinct_selections']} distinct sets, "
                                        f"mean Jaccard {st['mean_jaccard']:.2f}")
         rows["holdout gains of the resampled selections"] = f"median {q['median']:+.2f}, range [{q['min']:+.2f}, {q['max']:+.2f}]"
+    config = artifact.get("config") or {}
+    for part, setting, flag in (("null", "n_random_sets", "--n-random-sets"), ("stability", "n_resamples", "--n-resamples")):
+        if rel and not rel.get(part) and config.get(setting) == 0:  # say so, rather than leave the reader to wonder
+            rows["random sets of the same size" if part == "null" else "selection stability"] = (
+                f"not run ({setting} = 0 in this run's preset, to fit its time budget; {flag} N runs it)")
     return pd.DataFrame({"": list(rows.values())}, index=pd.Index(list(rows), name="is the gain real?"))
 
 
