@@ -332,3 +332,11 @@ def test_strategies_table_shows_signed_gains_and_cost_relative_to_the_paper():
     assert list(table["discovery gain"]) == ["+12.5", "+0.0"] and list(table["holdout gain"]) == ["-3.8", "-3.8"]
     assert list(table["holdout 95% CI"]) == ["[-8.8, +0.0]"] * 2
     assert list(table["cost vs exhaustive"]) == ["1.00x", "2.50x"]
+
+
+def test_a_table_row_wider_than_its_header_is_an_error():
+    from cel_utils.book.text import md_table
+
+    assert md_table(["a", "b"], [["1", "2"]]).splitlines()[-1] == "| 1 | 2 |"
+    with pytest.raises(ValueError, match="3 cells for 2 columns"):
+        md_table(["a", "b"], [["1", "2", "3"]])

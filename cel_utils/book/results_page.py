@@ -160,14 +160,18 @@ def results_markdown(artifacts: list[dict], paper_rows: list[dict], runs_dir: Pa
         checks = [[r.task, f"{r.model}, seed {r.seed}", r.ci or "n/a", r.power_text, r.calibration_text, r.null_text,
                    r.curse_text, r.stability_text] for r in table.itertuples()]
         out += ["## Is the gain real?", "",
-                "Per run: the holdout gain's paired 95% interval and exact McNemar p-value; the frozen set's place among "
+                "Per run: the holdout gain's paired 95% interval and exact McNemar p-value; the smallest change that test "
+                "detects with 80% power; the gain of the calibration baseline (multiple choice) and the paired test of "
+                "the ablation against it; the frozen set's place among "
                 "random head sets of the same size on the same holdout (percentile, empirical one-sided p); the discovery "
                 "gain against the holdout gain (the winner's curse), with the number of evaluated sets that tie with the "
                 "frozen one on discovery when there is more than one (the ranking's last keys, fewer heads and lower head "
                 "ids, then chose among them); and how often the whole selection picks the same set "
                 "again on resampled discovery sets, how much the selections overlap (mean pairwise Jaccard) and the range "
                 "of their holdout gains. [Beyond the paper](beyond.md) defines each.",
-                "", md_table(["task", "model", "gain: 95% CI, McNemar p", "vs random sets", "discovery -> holdout gain",
+                "", md_table(["task", "model", "gain: 95% CI, McNemar p",
+                               "smallest detectable change (80% power)", "calibration baseline's gain",
+                               "vs random sets", "discovery -> holdout gain",
                                "frozen set re-selected, overlap, holdout gains"], checks), ""]
     out += strategies_section(strategies or [], _task_sort_key)
     out += _paper_section(paper_rows)

@@ -64,7 +64,11 @@ def clip(text: str, limit: int, tail: bool = False) -> str:
 
 
 def md_table(header: list[str], rows: list[list[str]]) -> str:
-    """A Markdown table; ``|`` inside a cell is escaped."""
+    """A Markdown table; ``|`` inside a cell is escaped. A row as wide as the header or an error: Markdown would
+    silently drop the extra cells or shift them under the wrong heading."""
+    for row in rows:
+        if len(row) != len(header):
+            raise ValueError(f"a table row has {len(row)} cells for {len(header)} columns {header}: {row}")
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
     lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
     return "\n".join(lines)
