@@ -172,9 +172,9 @@ async def _hover_heatmap(s: _Session) -> str:
       const div = document.querySelector('.plotly-graph-div');
       div.scrollIntoView({block: 'center'});
       const z = div._fullData[0].z;  // decoded (plotly may ship the data base64-encoded)
-      let best = [0, 0];
+      let best = null;  // the best head the run scored (a screened stage 1 leaves the others empty: null or NaN)
       for (let i = 0; i < z.length; i++) for (let j = 0; j < z[i].length; j++)
-        if (z[i][j] !== null && (z[best[0]][best[1]] === null || z[i][j] > z[best[0]][best[1]])) best = [i, j];
+        if (Number.isFinite(z[i][j]) && (best === null || z[i][j] > z[best[0]][best[1]])) best = [i, j];
       const layout = div._fullLayout, xa = layout.xaxis, ya = layout.yaxis;
       const rect = div.getBoundingClientRect();
       return {x: rect.left + xa._offset + xa.l2p(best[1]), y: rect.top + ya._offset + ya.l2p(best[0])};

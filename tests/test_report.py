@@ -203,8 +203,13 @@ def test_heatmap_puts_each_gain_in_its_cell_and_marks_pool_and_frozen_heads():
     heatmap = figure.figure.data[0]
     assert heatmap.z[1][2] == 25.0
     assert [list(row) for row in heatmap.text] == [["2", "", ""], ["", "", "1"]]  # pool ranks where the pool heads are
-    assert heatmap.customdata[1][2][0] == "L1.H2" and list(heatmap.customdata[0][1][1:3]) == [1, 0]  # id; harm, help
-    assert "FROZEN" in heatmap.customdata[0][0][4] and "pool rank 2" in heatmap.customdata[0][0][4]
+    assert heatmap.customdata[1][2][0] == "L1.H2"
+    assert heatmap.customdata[0][1][1] == "discovery gain -25.00 points<br>harm 1, help 0<br>accuracy 25.0%"
+    assert "FROZEN" in heatmap.customdata[0][0][2] and "pool rank 2" in heatmap.customdata[0][0][2]
+    # a head a screened stage 1 never scored exactly says so on hover, instead of "+NaN points"
+    screened = {**art, "stage1": [s for s in art["stage1"] if s["heads"] != ["L0.H1"]]}
+    cell = interactive.stage1_heatmap_figure(screened).figure.data[0].customdata[0][1]
+    assert list(cell[1:]) == ["discovery gain: not scored", "not scored exactly (screened out)"]
     outlined = {(s.x0 + 0.5, s.y0 + 0.5) for s in figure.figure.layout.shapes}
     assert outlined == {(0, 0), (2, 1)}  # the frozen heads L0.H0 and L1.H2 (x = head, y = layer)
     bundle = figure._repr_mimebundle_()

@@ -109,7 +109,12 @@ def stage1_heatmap_figure(artifact: dict, quantile: float = CLIP_QUANTILE) -> Of
     limits = colour_limits(gains, 100.0 / n_items if n_items else 1.0, quantile)
     numbers, status = _stage1_fields(artifact)
     ids = np.array([[f"L{layer}.H{head}" for head in range(n_heads)] for layer in range(n_layers)], dtype=object)
-    custom = np.dstack([ids, numbers[..., 0], numbers[..., 1], numbers[..., 2], status])
+    # The hover's numbers as text, so a head the screen passed over reads "not scored", not "+NaN points".
+    detail = np.array([[f"discovery gain {gains[layer, head]:+.2f} points<br>harm {numbers[layer, head, 0]:.0f}, help "
+                        f"{numbers[layer, head, 1]:.0f}<br>accuracy {numbers[layer, head, 2]:.1f}%"
+                        if np.isfinite(gains[layer, head]) else "discovery gain: not scored"
+                        for head in range(n_heads)] for layer in range(n_layers)], dtype=object)
+    custom = np.dstack([ids, detail, status])
     ranks = {parse_head(name): str(rank) for rank, name in enumerate(artifact["pool"], start=1)}
     text = [[ranks.get(parse_head(f"L{layer}.H{head}"), "") for head in range(n_heads)] for layer in range(n_layers)]
     low_text = f"≤ {limits.low:+.1f}" if limits.clipped else f"{limits.low:+.1f}"
@@ -117,8 +122,7 @@ def stage1_heatmap_figure(artifact: dict, quantile: float = CLIP_QUANTILE) -> Of
         z=gains, x=list(range(n_heads)), y=list(range(n_layers)), customdata=custom, text=text,
         texttemplate="%{text}", textfont={"size": 10, "color": "black"},
         zmin=limits.low, zmax=limits.high, colorscale=limits.colourscale(), xgap=1, ygap=1,
-        hovertemplate=("<b>%{customdata[0]}</b><br>discovery gain %{z:+.2f} points<br>harm %{customdata[1]:.0f}, "
-                       "help %{customdata[2]:.0f}<br>accuracy %{customdata[3]:.1f}%<br>%{customdata[4]}<extra></extra>"),
+        hovertemplate="<b>%{customdata[0]}</b><br>%{customdata[1]}<br>%{customdata[2]}<extra></extra>",
         colorbar={"title": {"text": "discovery gain<br>(points)"},
                   "tickvals": [limits.low, 0.0, limits.high], "ticktext": [low_text, "0", f"{limits.high:+.1f}"]},
     ))
