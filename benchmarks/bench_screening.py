@@ -37,7 +37,7 @@ from cel_utils.models.loading import load_model
 from cel_utils.paths import atomic_write
 from cel_utils.search.algorithm import run_search
 from cel_utils.search.ranking import rank_singles
-from cel_utils.search.screening import SCREENS, run_screen
+from cel_utils.search.screening import DECISION_SCREENS, SCREENS, run_screen
 from cel_utils.tasks.splits import load_task_data
 
 
@@ -76,7 +76,7 @@ def bench_task(lm, task: str, n_discovery: int, screens: list[str], keeps: list[
     if out["exact"]["seconds"] is None:  # read back from the store: keep the time an earlier invocation measured
         out["exact"]["seconds"] = previous.get("exact", {}).get("seconds")
     for method in screens:
-        if method in ("attribution-flips", "boundary") and not evaluator.kind.loglikelihood:
+        if method in DECISION_SCREENS and not evaluator.kind.loglikelihood:
             continue
         screen = run_screen(method, evaluator, **boundary)
         scores = screen.scores()

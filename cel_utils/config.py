@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from cel_utils.checks import check_int
-from cel_utils.search.screening import SCREENS
+from cel_utils.search.screening import DECISION_SCREENS, SCREENS
 from cel_utils.tasks.prompts import BOS_POLICIES, FORMATS
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -152,7 +152,7 @@ class RunConfig:
             if self.screen_keep < self.p:
                 raise ValueError(f"screen_keep m={self.screen_keep} is smaller than the pool size p={self.p}: the pool "
                                  "is drawn from the heads the screen passes on, so use screen_keep >= p")
-            if self.screen in ("attribution-flips", "boundary") and not kind_of(get_task(self.task)).loglikelihood:
+            if self.screen in DECISION_SCREENS and not kind_of(get_task(self.task)).loglikelihood:
                 raise ValueError(f"the {self.screen} screen counts decisions by their margins; {self.task} is "
                                  "decided by running code: use screen='attribution'")
         resolve_data_dir(self.data_dir)

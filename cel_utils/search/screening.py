@@ -37,6 +37,7 @@ import numpy as np
 from cel_utils.models.heads import HeadId
 
 SCREENS = ("attribution", "attribution-flips", "boundary", "bf16")
+DECISION_SCREENS = ("attribution-flips", "boundary")  # they count decisions by their margins: not for generation
 
 
 @dataclass
@@ -140,22 +141,20 @@ def _attribution_screen(method: str, evaluator, heads: list[HeadId]) -> Screen:
 
 def _boundary_screen(flips: Screen, evaluator, candidates: int, items: int) -> Screen:
     """The top ``candidates`` of ``flips``, evaluated exactly on the ``items`` items with the smallest |margin|."""
-    order, n_layers = flips.order(), evaluator.lm.geometry.n_layers
+    order = flips.order()
     chosen = order[:candidates]
     # rounded, so that float noise in the margins cannot reorder two items the same distance from the boundary
     near = np.sort(np.argsort(np.round(np.abs(flips.full_margins), 6), kind="stable")[:items])
     sub = _same_evaluator(evaluator, items=[evaluator.items[i] for i in near])
-    outcomes = sub.evaluate([()] + [(h,) for h in chosen], desc=f"boundary screen: {len(chosen)} heads x {len(near)} items")
+    gains, cost = _single_head_gains(sub, chosen, f"boundary screen: {len(chosen)} heads x {len(near)} items")
     index = {h: j for j, h in enumerate(flips.heads)}
+    columns = [index[h] for h in chosen]
     per_item = np.zeros_like(flips.per_item, dtype=int)
+    per_item[np.ix_(near, columns)] = gains
     evaluated = np.zeros(len(flips.heads), dtype=bool)
-    full = outcomes[0].correct.astype(int)
-    for head, outcome in zip(chosen, outcomes[1:]):
-        per_item[near, index[head]] = outcome.correct.astype(int) - full
-        evaluated[index[head]] = True
+    evaluated[columns] = True
     prior = np.empty(len(order), dtype=int)
     prior[[index[h] for h in order]] = np.arange(len(order))
-    cost = len(near) * (1 + sum(n_layers - h.layer for h in chosen) / n_layers)
     return Screen("boundary", flips.heads, per_item, flips.full_margins, flips.forward_equivalents + cost,
                   evaluated=evaluated, prior_rank=prior, boundary=near)
 
@@ -166,13 +165,19 @@ def _bf16_screen(evaluator, heads: list[HeadId]) -> Screen:
     import copy
 
     lm = dataclasses.replace(evaluator.lm, model=copy.deepcopy(evaluator.lm.model).to(torch.bfloat16), dtype=torch.bfloat16)
-    outcomes = _same_evaluator(evaluator, lm=lm, store=None).evaluate([()] + [(h,) for h in heads],
-                                                                       desc=f"bf16 screen: {len(heads)} heads")
-    full = outcomes[0].correct.astype(int)
-    per_item = np.stack([o.correct.astype(int) - full for o in outcomes[1:]], axis=1)
-    n_layers = evaluator.lm.geometry.n_layers
-    cost = len(full) * (1 + sum(n_layers - h.layer for h in heads) / n_layers)
+    per_item, cost = _single_head_gains(_same_evaluator(evaluator, lm=lm, store=None), heads,
+                                        f"bf16 screen: {len(heads)} heads")
     return Screen("bf16", heads, per_item, None, cost / 2)  # bfloat16 runs about twice as fast as float32
+
+
+def _single_head_gains(evaluator, heads: list[HeadId], desc: str) -> tuple[np.ndarray, float]:
+    """Each head ablated alone, exactly, on the evaluator's items: ablated minus full correctness per item
+    [items, heads], and the cost in forward-equivalents (the full pass, then each head from its own layer on)."""
+    outcomes = evaluator.evaluate([()] + [(h,) for h in heads], desc=desc)
+    full = outcomes[0].correct.astype(int)
+    gains = np.stack([o.correct.astype(int) - full for o in outcomes[1:]], axis=1)
+    n_layers = evaluator.lm.geometry.n_layers
+    return gains, len(full) * (1 + sum(n_layers - h.layer for h in heads) / n_layers)
 
 
 def _same_evaluator(evaluator, *, lm=None, items=None, store="same"):
