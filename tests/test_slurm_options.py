@@ -19,7 +19,16 @@ from cel_utils.grid.slurm import SlurmOptions, job_name, parse_extra, submitit_p
 TCP_WARNING = "Kernel is running over TCP without encryption"
 
 
-def test_options_become_submitit_parameters():
+def _fake_slurm(bin_dir: Path, monkeypatch, sbatch: str = "#!/bin/sh\nexit 0\n") -> None:
+    """Stand-ins for Slurm's commands, first on PATH: submitit's Slurm executor refuses to start without ``srun``."""
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("srun", "#!/bin/sh\nexit 0\n"), ("sbatch", sbatch)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin")
+
+
+def test_options_become_submitit_parameters(tmp_path, monkeypatch):
     options = SlurmOptions(partition="gpu", account="lab", qos="high", constraint="a100|h100", gpus_per_node=2,
                            cpus_per_task=0, mem_gb=0, timeout_min=90, setup=["module load cuda/12.1"],
                            array_parallelism=4, extra={"reservation": "week"})
@@ -30,6 +39,7 @@ def test_options_become_submitit_parameters():
         "slurm_additional_parameters": {"requeue": True, "export": "ALL", "reservation": "week"}}  # 0 CPUs, 0 GB: cluster defaults
     assert submitit_parameters(options, "local") == {"timeout_min": 90, "stderr_to_stdout": True}
     # submitit accepts every one of them and writes the sbatch lines a cluster needs
+    _fake_slurm(tmp_path / "bin", monkeypatch)
     executor = submitit.AutoExecutor(folder="/tmp/cel-never-written", cluster="slurm")
     executor.update_parameters(**submitit_parameters(options, "slurm"), name="cel-x")
     script = executor._executor._make_submission_file_text("python -c pass", "uid")
@@ -96,12 +106,8 @@ def test_slurm_without_sbatch_says_where_to_run(tmp_path, monkeypatch, capsys):
 
 
 def test_a_refused_submission_fails_its_cells_with_sbatch_s_message(tmp_path, monkeypatch):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 'sbatch: error: Invalid account or account/partition "
-                                    "combination specified' >&2; exit 1\n")
-    (bin_dir / "sbatch").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin")
+    _fake_slurm(tmp_path / "bin", monkeypatch, sbatch="#!/bin/sh\necho 'sbatch: error: Invalid account or "
+                                                        "account/partition combination specified' >&2; exit 1\n")
     cells = grid.plan(["random:llama:tiny"], ["boolq", "hellaswag"], [0], "smoke", runs_dir=tmp_path / "runs",
                       results_dir=tmp_path / "results")
     for options in (SlurmOptions(), SlurmOptions(array_parallelism=1)):
