@@ -247,7 +247,7 @@ def cmd_strategies(args) -> int:
     for cell in cells:
         cell.retitle = False  # the strategies page keeps its own title
         print(f"strategies: {cell.name} -> {cell.page}", flush=True)
-        result = grid.run_cell(cell)
+        result = grid.run_cell(cell, stream=True)  # its stages and progress lines, as it runs
         print(grid.result_line(result), file=sys.stderr if result.status == "failed" else sys.stdout, flush=True)
         status = 1 if result.status == "failed" else status
     print(f"summaries in {paths.results_dir / 'strategies'}; `cel aggregate` adds them to the results page")

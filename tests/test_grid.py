@@ -1,6 +1,7 @@
 """The grid runner: presets, planning, and a 2-cell grid through submitit's local executor with one failing cell."""
 import json
 import os
+import re
 from dataclasses import asdict
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 from cel_utils import config, grid
 from cel_utils.book.build import BookPaths, toc_dict
 from cel_utils.cli import main
+from cel_utils.grid import kernel
 
 REPO = Path(__file__).resolve().parents[1]
 MIRROR = Path(os.environ.get("CEL_DATA_DIR") or REPO.parent / "shared" / "data")
@@ -149,6 +151,23 @@ def test_a_kernel_that_dies_at_start_up_is_started_again(tmp_path, monkeypatch):
     calls.clear()
     monkeypatch.setattr(pm, "execute_notebook", broken)
     assert "the run broke" in grid.run_cell(cell).error and len(calls) == 1
+
+
+def test_a_local_grid_shows_what_each_run_prints_under_its_bar(tmp_path, capfd, monkeypatch):
+    monkeypatch.delenv(kernel.STREAM_ENV, raising=False)
+    probe = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "import sys\nprint('[cel] probe: stage 1: 3/9 evals', file=sys.stderr, flush=True)")])
+    probe.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(probe, tmp_path / "probe.ipynb")
+    cells = grid.plan([GOOD], ["arithmetic_2da"], [0], "smoke", runs_dir=tmp_path / "runs",
+                      results_dir=tmp_path / "results", notebook=tmp_path / "probe.ipynb", data_dir=DATA_DIR)
+    for progress in (True, False):
+        (result,) = grid.run_grid(cells, "local", progress=progress)
+        assert result.status == "failed" and "wrote no new artifact" in result.error  # the probe only prints
+        err = capfd.readouterr().err
+        # on its own line, not written onto the grid bar's line (tqdm clears the bar with a carriage return)
+        shown = [line for line in re.split(r"[\r\n]", err) if line.startswith("[cel] probe")]
+        assert shown == (["[cel] probe: stage 1: 3/9 evals"] if progress else []), err
 
 
 def test_cli_exit_codes(tmp_path, capsys):

@@ -173,9 +173,9 @@ KERNEL_START_ERRORS = ("Kernel died before replying to kernel_info", "Kernel did
 KERNEL_START_ATTEMPTS = 3
 
 
-def _execute(cell: Cell) -> None:
+def _execute(cell: Cell, stream: bool) -> None:
     """papermill on the cell's notebook, into its staging path; a kernel that fails to start is started again.
-    The kernel's traffic is encrypted, and in a job its printed output streams to the log (cel_utils.grid.kernel)."""
+    The kernel's traffic is encrypted, and its printed output streams here if ``stream`` (cel_utils.grid.kernel)."""
     import papermill as pm
 
     from cel_utils.grid.kernel import papermill_options
@@ -183,7 +183,7 @@ def _execute(cell: Cell) -> None:
     for attempt in range(1, KERNEL_START_ATTEMPTS + 1):
         try:
             pm.execute_notebook(cell.notebook, str(cell.staging), parameters=cell.parameters,
-                                kernel_name=cell.kernel_name, progress_bar=False, cwd=cell.cwd, **papermill_options())
+                                kernel_name=cell.kernel_name, progress_bar=False, cwd=cell.cwd, **papermill_options(stream))
             return
         except RuntimeError as error:
             if attempt == KERNEL_START_ATTEMPTS or not str(error).startswith(KERNEL_START_ERRORS):
@@ -195,8 +195,9 @@ def _new_result(cell: Cell, **fields: Any) -> CellResult:
     return CellResult(name=cell.name, model=p["model"], task=p["task"], seed=p["seed"], **fields)
 
 
-def run_cell(cell: Cell, skip_existing: bool = False) -> CellResult:
-    """Execute the notebook for one cell; never raises for a failing run (the result says what failed)."""
+def run_cell(cell: Cell, skip_existing: bool = False, stream: bool = False) -> CellResult:
+    """Execute the notebook for one cell; never raises for a failing run (the result says what failed). With ``stream``,
+    what the notebook prints (its stages and progress lines) appears on this process's stdout and stderr as it runs."""
     from cel_utils.pipeline.artifacts import read_artifact
 
     if skip_existing:
@@ -209,7 +210,7 @@ def run_cell(cell: Cell, skip_existing: bool = False) -> CellResult:
     cell.staging.parent.mkdir(parents=True, exist_ok=True)
     cell.staging.unlink(missing_ok=True)
     try:
-        _execute(cell)
+        _execute(cell, stream)
         if not cell.artifact.exists() or _stat(cell.artifact) == before:
             raise RuntimeError(f"the notebook finished but wrote no new artifact {cell.artifact}")
     except Exception as error:  # noqa: BLE001 - a failed cell is reported, never raised

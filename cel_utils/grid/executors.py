@@ -43,9 +43,9 @@ def run_grid(cells: list[Cell], executor: str = "local", *, jobs: int = 1, skip_
     try:
         if executor == "local" and jobs == 1:
             for cell in cells:
-                done(run_cell(cell, skip_existing))
+                done(run_cell(cell, skip_existing, stream=progress))
         elif executor == "local":
-            _run_pool(cells, jobs, skip_existing, done)
+            _run_pool(cells, jobs, skip_existing, progress, done)
         else:
             from cel_utils.grid.jobs import run_submitit
 
@@ -71,7 +71,7 @@ def claim_gpu(queue) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = queue.get()
 
 
-def _run_pool(cells: list[Cell], jobs: int, skip_existing: bool, done: Callable) -> None:
+def _run_pool(cells: list[Cell], jobs: int, skip_existing: bool, stream: bool, done: Callable) -> None:
     """``jobs`` worker processes; with GPUs, each worker gets its own (round robin when there are more workers)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -83,7 +83,7 @@ def _run_pool(cells: list[Cell], jobs: int, skip_existing: bool, done: Callable)
             queue.put(gpus[worker % len(gpus)])
         setup = {"initializer": claim_gpu, "initargs": (queue,)}
     with ProcessPoolExecutor(max_workers=jobs, mp_context=context, **setup) as pool:
-        futures = {pool.submit(run_cell, cell, skip_existing): (cell, _stat(cell.artifact)) for cell in cells}
+        futures = {pool.submit(run_cell, cell, skip_existing, stream): (cell, _stat(cell.artifact)) for cell in cells}
         for future in as_completed(futures):
             try:
                 done(future.result())

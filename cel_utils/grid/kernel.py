@@ -5,8 +5,9 @@
   where other users' processes can reach this node's localhost ports. jupyter_client (8.10 and later) provisions
   CurveZMQ keys for kernels whose kernelspec declares support (ipykernel's does), which encrypts the traffic and ends
   the warning at its cause. Where jupyter_client or libzmq cannot, the kernel starts as before.
-* With ``$CEL_STREAM_NOTEBOOK_OUTPUT`` set (every submitit and Slurm job sets it), what the notebook prints (its
-  stages and progress) goes to this process's stdout and stderr as it is printed: in a job, that is the job's log.
+* What the notebook prints (its stages and progress lines) goes to this process's stdout and stderr as it is printed,
+  when asked: a local grid run with progress on asks (``make book`` shows each run's stages under the grid's bar), and
+  so does ``$CEL_STREAM_NOTEBOOK_OUTPUT``, which every submitit and Slurm job sets (there it is the job's log).
 """
 from __future__ import annotations
 
@@ -17,16 +18,33 @@ from typing import Any
 STREAM_ENV = "CEL_STREAM_NOTEBOOK_OUTPUT"
 
 
-def papermill_options() -> dict[str, Any]:
-    """Keyword arguments for ``papermill.execute_notebook``."""
+def papermill_options(stream: bool = False) -> dict[str, Any]:
+    """Keyword arguments for ``papermill.execute_notebook``; the kernel's output streams here when ``stream`` is true
+    or ``$CEL_STREAM_NOTEBOOK_OUTPUT`` is set."""
     options: dict[str, Any] = {}
     if _can_encrypt():
         from traitlets.config import Config
 
         options["config"] = Config({"KernelManager": {"transport_encryption": "auto"}})
-    if os.environ.get(STREAM_ENV):
-        options.update(stdout_file=sys.stdout, stderr_file=sys.stderr)
+    if stream or os.environ.get(STREAM_ENV):
+        options.update(stdout_file=_AroundBars(sys.stdout), stderr_file=_AroundBars(sys.stderr))
     return options
+
+
+class _AroundBars:
+    """Where papermill writes the kernel's output: through ``tqdm.write``, which clears a progress bar drawn in the same
+    terminal (the grid's) before the text and draws it again after, instead of the text landing on the bar's line."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        from tqdm import tqdm
+
+        tqdm.write(text, file=self.stream, end="")
+
+    def flush(self) -> None:
+        self.stream.flush()
 
 
 def _can_encrypt() -> bool:
