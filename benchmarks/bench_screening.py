@@ -68,6 +68,7 @@ def bench_task(lm, task: str, n_discovery: int, screens: list[str], keeps: list[
     frozen_exact = run_search(table, p=p, k=k).frozen
     out = {"task": task, "n_discovery": len(data.discovery), "p": p, "k": k, "full_accuracy": full.accuracy,
            "exact": {"top_p": [str(h) for h in exact_top], "frozen": [str(h) for h in frozen_exact],
+                     "gains": {str(h): g for h, g in gain.items()},  # every head's exact discovery gain (points)
                      "heads_improving": sum(g > 0 for g in gain.values()),
                      "seconds": None if from_store else exact_s,
                      "forward_equivalents": len(full.correct) * (1 + sum(lm.geometry.n_layers - h.layer for h in heads)
@@ -85,6 +86,7 @@ def bench_task(lm, task: str, n_discovery: int, screens: list[str], keeps: list[
                "spearman_gain": _rho(stats.spearmanr, scores, [gain[h] for h in heads]),
                "kendall_gain": _rho(stats.kendalltau, scores, [gain[h] for h in heads]),
                "spearman_margin": _rho(stats.spearmanr, scores, [margin[h] for h in heads]),
+               "order": [str(h) for h in screen.order()[:max(keeps)]],  # the screen's ranking, as far as any m reaches
                "by_keep": {}}
         for m in keeps:
             top = screen.top(m)
@@ -94,6 +96,7 @@ def bench_task(lm, task: str, n_discovery: int, screens: list[str], keeps: list[
             frozen = (frozen_exact if pool == exact_top else
                       run_search(table, p=p, k=k, screen=screen, keep=m).frozen if m == measure_keep else None)
             row["by_keep"][str(m)] = {"recall_top_p": len(set(top) & set(exact_top)) / p, "same_pool": pool == exact_top,
+                                      "pool": [str(h) for h in pool],  # its first p' heads are the pool of a smaller p
                                       "same_frozen": None if frozen is None else frozen == frozen_exact,
                                       "frozen": None if frozen is None else [str(h) for h in frozen]}
         own = EngineEvaluator(lm, data.task, data.discovery, data.fewshot, progress=False)  # no store: a real timing
