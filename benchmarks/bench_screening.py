@@ -69,6 +69,7 @@ def bench_task(lm, task: str, n_discovery: int, screens: list[str], keeps: list[
     out = {"task": task, "n_discovery": len(data.discovery), "p": p, "k": k, "full_accuracy": full.accuracy,
            "exact": {"top_p": [str(h) for h in exact_top], "frozen": [str(h) for h in frozen_exact],
                      "gains": {str(h): g for h, g in gain.items()},  # every head's exact discovery gain (points)
+                     "ranking": [str(s.heads[0]) for s in exact[:max(keeps)]],  # the paper's key, best first
                      "heads_improving": sum(g > 0 for g in gain.values()),
                      "seconds": None if from_store else exact_s,
                      "forward_equivalents": len(full.correct) * (1 + sum(lm.geometry.n_layers - h.layer for h in heads)
