@@ -71,12 +71,8 @@ def test_bad_options_are_refused(options, message):
 @pytest.fixture
 def fake_sbatch(tmp_path, monkeypatch):
     """An sbatch on PATH that must never be called: bad flags are refused before anything is submitted."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "sbatch").write_text("#!/bin/sh\necho called >> \"$0.calls\"; exit 1\n")
-    (bin_dir / "sbatch").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin")
-    return bin_dir / "sbatch.calls"
+    _fake_slurm(tmp_path / "bin", monkeypatch, sbatch="#!/bin/sh\necho called >> \"$0.calls\"; exit 1\n")
+    return tmp_path / "bin" / "sbatch.calls"
 
 
 GRID = ["grid", "--models", "random:llama:tiny", "--tasks", "boolq", "--preset", "smoke"]
