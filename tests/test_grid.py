@@ -11,7 +11,6 @@ import pytest
 from cel_utils import config, grid
 from cel_utils.book.build import BookPaths, toc_dict
 from cel_utils.cli import main
-from cel_utils.grid import kernel
 
 REPO = Path(__file__).resolve().parents[1]
 MIRROR = Path(os.environ.get("CEL_DATA_DIR") or REPO.parent / "shared" / "data")
@@ -153,8 +152,7 @@ def test_a_kernel_that_dies_at_start_up_is_started_again(tmp_path, monkeypatch):
     assert "the run broke" in grid.run_cell(cell).error and len(calls) == 1
 
 
-def test_a_local_grid_shows_what_each_run_prints_under_its_bar(tmp_path, capfd, monkeypatch):
-    monkeypatch.delenv(kernel.STREAM_ENV, raising=False)
+def test_a_local_grid_shows_what_each_run_prints_under_its_bar(tmp_path, capfd):
     probe = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
         "import sys\nprint('[cel] probe: stage 1: 3/9 evals', file=sys.stderr, flush=True)")])
     probe.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}

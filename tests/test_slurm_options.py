@@ -131,10 +131,9 @@ def _notebook(path: Path) -> Path:
     return path
 
 
-def test_the_kernel_runs_encrypted_without_the_tcp_warning(tmp_path, capfd, monkeypatch):
+def test_the_kernel_runs_encrypted_without_the_tcp_warning(tmp_path, capfd):
     import papermill as pm
 
-    monkeypatch.delenv(kernel.STREAM_ENV, raising=False)
     source = _notebook(tmp_path / "in.ipynb")
     pm.execute_notebook(str(source), str(tmp_path / "plain.ipynb"), progress_bar=False)
     if TCP_WARNING not in capfd.readouterr().err:
@@ -146,11 +145,11 @@ def test_the_kernel_runs_encrypted_without_the_tcp_warning(tmp_path, capfd, monk
     assert TCP_WARNING not in captured.err and "stage discovery" not in captured.out  # not streamed: no job
 
 
-def test_in_a_job_the_notebook_output_streams_to_the_log(tmp_path, capfd, monkeypatch):
+def test_in_a_job_the_notebook_output_streams_to_the_log(tmp_path, capfd):
     import papermill as pm
 
-    monkeypatch.setenv(kernel.STREAM_ENV, "1")
     source = _notebook(tmp_path / "in.ipynb")
-    pm.execute_notebook(str(source), str(tmp_path / "out.ipynb"), progress_bar=False, **kernel.papermill_options())
+    options = kernel.papermill_options(stream=True)  # what every job asks for (cel_utils.grid.jobs)
+    pm.execute_notebook(str(source), str(tmp_path / "out.ipynb"), progress_bar=False, **options)
     captured = capfd.readouterr()
     assert "stage discovery 3/9" in captured.out and "stage note" in captured.err

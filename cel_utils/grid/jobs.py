@@ -25,7 +25,6 @@ from typing import Callable
 import submitit
 
 from cel_utils.grid.cells import Cell, CellResult, _stat, failed_result, result_line, run_cell, up_to_date
-from cel_utils.grid.kernel import STREAM_ENV
 from cel_utils.grid.slurm import ARRAY_JOB_NAME, SlurmOptions, job_name, submitit_parameters
 
 
@@ -37,7 +36,6 @@ class CellJob(submitit.helpers.Checkpointable):
         self.skip_existing = skip_existing
 
     def __call__(self) -> CellResult:
-        os.environ[STREAM_ENV] = "1"  # the notebook's output goes to the job's log as it is printed
         terminated = _watch_sigterm()
         try:
             job = submitit.JobEnvironment().job_id
@@ -45,7 +43,7 @@ class CellJob(submitit.helpers.Checkpointable):
             job = "none"
         print(f"cel: cell {self.cell.name} on {socket.gethostname()} (job {job}); the notebook's output follows",
               flush=True)
-        result = run_cell(self.cell, self.skip_existing)
+        result = run_cell(self.cell, self.skip_existing, stream=True)  # the notebook's output, into the job's log
         if terminated.is_set() and result.status == "failed":
             # Slurm is ending the job (scancel, preemption): the kernel died with it, which is not the run's failure.
             print(f"cel: cell {self.cell.name} stopped by SIGTERM (cancelled or preempted); no result: Slurm's "

@@ -7,26 +7,22 @@
   the warning at its cause. Where jupyter_client or libzmq cannot, the kernel starts as before.
 * What the notebook prints (its stages and progress lines) goes to this process's stdout and stderr as it is printed,
   when asked: a local grid run with progress on asks (``make book`` shows each run's stages under the grid's bar), and
-  so does ``$CEL_STREAM_NOTEBOOK_OUTPUT``, which every submitit and Slurm job sets (there it is the job's log).
+  so does every submitit and Slurm job (there it is the job's log).
 """
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
-STREAM_ENV = "CEL_STREAM_NOTEBOOK_OUTPUT"
-
 
 def papermill_options(stream: bool = False) -> dict[str, Any]:
-    """Keyword arguments for ``papermill.execute_notebook``; the kernel's output streams here when ``stream`` is true
-    or ``$CEL_STREAM_NOTEBOOK_OUTPUT`` is set."""
+    """Keyword arguments for ``papermill.execute_notebook``; with ``stream``, the kernel's output streams here."""
     options: dict[str, Any] = {}
     if _can_encrypt():
         from traitlets.config import Config
 
         options["config"] = Config({"KernelManager": {"transport_encryption": "auto"}})
-    if stream or os.environ.get(STREAM_ENV):
+    if stream:
         options.update(stdout_file=_AroundBars(sys.stdout), stderr_file=_AroundBars(sys.stderr))
     return options
 
