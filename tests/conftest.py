@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random models (no download) and, for slow tests, the real default model."""
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
 
@@ -23,6 +24,20 @@ def fresh_result_caches(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("CEL_CACHE_DIR", str(cache))
         yield cache
+
+
+@pytest.fixture(autouse=True)
+def alone_among_workers(request, tmp_path_factory):
+    """Under pytest-xdist (`make test` runs two workers), a test marked `alone` waits until the other worker's test
+    has ended and keeps it from starting another: it counts processes machine-wide (the sandbox's `nobody` ones),
+    which a sandbox run beside it would add to. Every other test holds a shared lock on the same file."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    mode = fcntl.LOCK_EX if request.node.get_closest_marker("alone") else fcntl.LOCK_SH
+    with open(tmp_path_factory.getbasetemp().parent / "alone.lock", "a") as lock:  # the workers' common folder
+        fcntl.flock(lock, mode)
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -91,6 +91,7 @@ def test_sleeping_forever_times_out():
     assert r.status == "timeout" and r.duration_s < T + 2
 
 
+@pytest.mark.alone
 def test_fork_bomb_is_contained():
     before = nobody_processes()
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
@@ -274,6 +275,7 @@ def test_garbage_on_every_fd_does_not_hide_a_real_pass():
     assert run(flood + ADD, ["assert add(1, 2) == 3"]).passed
 
 
+@pytest.mark.alone
 def test_escaped_children_die_with_the_run():
     before = nobody_processes()
     daemon = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(300)\n"
@@ -394,6 +396,7 @@ def test_run_many_keeps_order():
     assert [r.passed for r in results] == [False, True, False, True]
 
 
+@pytest.mark.alone
 def test_sandbox_leaves_no_processes_behind():
     out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert "_sandbox_child.py" not in out

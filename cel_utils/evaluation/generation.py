@@ -16,16 +16,15 @@ row's whole prompt.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import numpy as np
 import torch
 
-from cel_utils.models.ablation import ablated, ablated_rows, head_mask
+from cel_utils.models.ablation import ablated, ablated_rows
 from cel_utils.models.heads import HeadId
 from cel_utils.evaluation.prefix import MIN_SHARED_PREFIX, prefix_states, shared_prefix_length, sliding_window
 from cel_utils.models.loading import LoadedModel
-from cel_utils.models.plumbing import base_model, capture_layer_outputs, start_at_layer
 from cel_utils.tasks.prompts import GenRequest
 from cel_utils.tasks.scoring import Outcome
 

@@ -184,8 +184,6 @@ def unembed(model: nn.Module, hidden: torch.Tensor, rows: torch.Tensor | None = 
     return logits
 
 
-
-
 @contextmanager
 def scaled_head_outputs(model: nn.Module, factors_by_layer: dict[int, torch.Tensor]) -> Iterator[None]:
     """Multiply the o_proj input of each listed layer by its factors inside the block (hooks always removed).
