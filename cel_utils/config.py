@@ -257,7 +257,8 @@ def check_setting(cls: type, name: str, value: Any) -> None:
 # quick: the run notebook's default, a few minutes on a laptop. smoke: seconds per cell with a random tiny model.
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "cpu": {
-        # Sized so that `make book` (all four tasks) fits an hour on two cores: see the README's table and timings.
+        # Sized for `make book` (all four tasks) in an hour on two cores; measured 55 min to 1 h 43 min on different
+        # 2-core machines (README).
         # The screen and m per task are the ones that froze exhaustive stage 1's set in benchmarks/bench_screening.py
         # (README, "Screened stage 1 against exhaustive search").
         "*": dict(n_discovery=128, n_holdout=500, p=3, k=2, stage1="screened", screen="attribution", screen_keep=8,

@@ -11,6 +11,20 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = (REPO.parent / "shared" / "data").resolve()
 
 
+# The files with the slowest tests, slowest first (pytest --durations): pytest-xdist hands each file to a worker in
+# collection order, so these start first and the two workers end together instead of one waiting on the other.
+SLOW_FILES = ("test_determinism.py", "test_slurm.py", "test_end_to_end.py", "test_screening.py", "test_resume.py",
+              "test_book.py", "test_strategies.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return SLOW_FILES.index(name) if name in SLOW_FILES else len(SLOW_FILES)
+
+    items.sort(key=rank)  # stable: the order within a file is kept
+
+
 @pytest.fixture(scope="session", autouse=True)
 def fresh_result_caches(tmp_path_factory):
     """The evaluation store and the execution cache start empty in every session, so that no test passes by
