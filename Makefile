@@ -11,9 +11,9 @@ CEL_DATA_DIR ?= $(if $(wildcard ../shared/data/README.md),$(abspath ../shared/da
 export CEL_DATA_DIR
 
 TORCH ?= torch==2.13.0
-# The suite waits on subprocesses (kernels, Sphinx, Slurm, sandboxed children) most of the time: one process used
-# 1.05 of 2 cores, so it runs as two pytest-xdist workers, a test file per worker at a time (module fixtures such
-# as the Slurm cluster and the built book stay in one process). TEST_WORKERS=0 runs it in one process.
+# Run in one process the suite kept 1.05 of 2 cores busy (much of it waits on kernels, Sphinx, Slurm and sandboxed
+# children), so it runs as two pytest-xdist workers, a test file per worker at a time (module fixtures such as the
+# Slurm cluster and the built book stay in one process). TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 
 .PHONY: book test browser system-python benchmark clean publish
