@@ -143,8 +143,8 @@ def test_resampled_search_equals_algorithm_1_on_the_resampled_items_and_batches_
         assert [s.heads for s in found.stage2] == [s.heads for s in direct.stage2]
 
 
-def test_assess_run_end_to_end_on_synthetic_data():
-    n_disc, n_hold = 30, 50
+def _synthetic_run(n_disc: int = 30, n_hold: int = 50):
+    """A search and holdout on synthetic items, with a planted head that helps on both."""
     flips_d, flips_h = random_flips(n_disc, 2), random_flips(n_hold, 3)
     planted = HeadId(2, 1)
     flips_h[planted] = np.zeros(n_hold, bool)
@@ -154,7 +154,12 @@ def test_assess_run_end_to_end_on_synthetic_data():
     discovery = OutcomeTable(XorEvaluator(np.zeros(n_disc, bool), flips_d))
     holdout_eval = XorEvaluator(np.zeros(n_hold, bool), flips_h)
     search = run_search(discovery, p=3, k=2)
-    holdout = evaluate_holdout(holdout_eval, search.frozen)
+    return search, evaluate_holdout(holdout_eval, search.frozen), discovery, holdout_eval, flips_h
+
+
+def test_assess_run_end_to_end_on_synthetic_data():
+    search, holdout, discovery, holdout_eval, flips_h = _synthetic_run()
+    n_hold = len(holdout.full.correct)
     kwargs = dict(n_random_sets=15, n_resamples=8, resample="bootstrap", seed=5)
     result = assess_run(search, holdout, discovery, holdout_eval, **kwargs)
     assert len(holdout_eval.calls) == 2  # the holdout run, then every null set and selection in one call
@@ -177,6 +182,27 @@ def test_assess_run_end_to_end_on_synthetic_data():
     assert plain["stability"] == result["stability"]
     off = assess_run(search, holdout, discovery, holdout_eval, **{**kwargs, "n_random_sets": 0, "n_resamples": 0})
     assert off["null"] is None and off["stability"] is None
+
+
+def test_a_null_on_the_holdouts_first_items_is_the_null_of_a_holdout_of_those_items():
+    search, holdout, discovery, holdout_eval, flips_h = _synthetic_run()
+    kwargs = dict(n_random_sets=15, n_resamples=4, resample="bootstrap", seed=5)
+    whole = assess_run(search, holdout, discovery, holdout_eval, **kwargs)
+
+    def first(n: int, start: int = 0) -> XorEvaluator:
+        return XorEvaluator(np.zeros(n, bool), {h: m[start:start + n] for h, m in flips_h.items()}, first_item=start)
+
+    null_eval = first(20)
+    part = assess_run(search, holdout, discovery, first(50), **kwargs, null_evaluator=null_eval)
+    assert len(null_eval.calls) == 1 and len(null_eval.calls[0]) == 15  # only the random sets: the rest is sliced
+    short = first(20)
+    alone = assess_run(search, evaluate_holdout(short, search.frozen), discovery, short, **{**kwargs, "n_resamples": 0})
+    assert part["null"] == {**alone["null"], "n_items": 20}
+    assert part["null"]["selected_gain_points"] != whole["null"]["selected_gain_points"]  # compared on the 20 items
+    assert part["stability"] == whole["stability"]  # the resampled selections are still scored on the whole holdout
+    assert part["cost"]["null_evaluations"] == 15
+    with pytest.raises(ValueError, match="the first items of the holdout"):
+        assess_run(search, holdout, discovery, holdout_eval, **kwargs, null_evaluator=first(20, start=5))
 
 
 def test_take_keeps_every_field():

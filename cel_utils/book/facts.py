@@ -30,6 +30,11 @@ def _size(value) -> str:
     return "Table 3" if value is None else f"{value:,}"
 
 
+def random_sets_text(c: RunConfig) -> str:
+    """How many random sets the null scores, and on how many holdout items when not all."""
+    return str(c.n_random_sets) if c.null_items is None or not c.n_random_sets else f"{c.n_random_sets} on {c.null_items}"
+
+
 def preset_table() -> str:
     """One row per (preset, default task): the sizes and the search and reliability settings it runs with."""
     rows = []
@@ -37,7 +42,7 @@ def preset_table() -> str:
         for c in preset_configs(preset):
             stage1 = c.stage1 if c.stage1 == "exact" else f"{c.stage1} ({c.screen}, m = {c.screen_keep})"
             rows.append([f"`{preset}`", c.task, _size(c.n_discovery), _size(c.n_holdout), str(c.p), str(c.k), stage1,
-                         str(c.n_random_sets), str(c.n_resamples)])
+                         random_sets_text(c), str(c.n_resamples)])
     return md_table(["preset", "task", "discovery", "holdout", "p", "k", "stage 1", "random sets", "resamples"], rows)
 
 

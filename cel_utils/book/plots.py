@@ -33,7 +33,7 @@ def null_histogram(artifact: dict, ax=None):
         ax.text(0.5, 0.5, "no random-set null in this run (n_random_sets = 0)", ha="center", va="center")
         ax.set_axis_off()
         return ax.figure
-    step = 100.0 / artifact["holdout"]["n_items"]  # gains are multiples of one item
+    step = 100.0 / null.get("n_items", artifact["holdout"]["n_items"])  # gains are multiples of one item
     gains = np.asarray(null["gains_points"])
     sns.histplot(gains, ax=ax, binwidth=step, binrange=(min(gains.min(), null["selected_gain_points"]) - step / 2,
                                                         max(gains.max(), null["selected_gain_points"]) + step / 2),
@@ -41,7 +41,8 @@ def null_histogram(artifact: dict, ax=None):
     ax.axvline(null["selected_gain_points"], color="crimson", linewidth=2,
                label=f"frozen {artifact['frozen']['label']}: {null['selected_gain_points']:+.1f}")
     ax.axvline(0.0, color="black", linewidth=0.8, linestyle=":")
-    ax.set_xlabel("holdout gain (points)")
+    ax.set_xlabel("holdout gain (points)" if "n_items" not in null else
+                  f"gain on the holdout's first {null['n_items']} items (points)")
     ax.set_ylabel("random sets")
     ax.legend(fontsize=8, loc="upper left")
     ax.set_title(f"holdout gains of {null['n_sets']} random sets of {null['size']} head(s)\nfrozen set at the "
@@ -76,7 +77,7 @@ def stability_figure(artifact: dict, top: int = 12):
     gains = {"resampled selections": stab["holdout_gains_points"]}
     null = _reliability(artifact, "null")
     if null:
-        gains["random sets"] = null["gains_points"]
+        gains["random sets" if "n_items" not in null else f"random sets\n(first {null['n_items']} items)"] = null["gains_points"]
     import pandas as pd
 
     frame = pd.DataFrame([(group, g) for group, values in gains.items() for g in values], columns=["", "holdout gain (points)"])

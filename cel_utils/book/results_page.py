@@ -72,7 +72,8 @@ def _reliability_columns(art: dict) -> dict:
                              f"{cal['ablation_vs_calibration']['gain_points']:+.1f}, p = "
                              f"{p_text(cal['ablation_vs_calibration']['p_value'])})" if cal else "n/a"),
         "ci": ci_text(sig), "p_value": sig["p_value"] if sig else float("nan"),
-        "null_text": (f"{null['percentile']:.0f}th pct of {null['n_sets']} (p = {p_text(null['p_value'])})"
+        "null_text": (f"{null['percentile']:.0f}th pct of {null['n_sets']}"
+                      + (f" on {null['n_items']} items" if "n_items" in null else "") + f" (p = {p_text(null['p_value'])})"
                       if null else "not run"),
         "curse_text": (f"{curse['discovery_gain_points']:+.1f} -> {curse['holdout_gain_points']:+.1f}" if curse else "n/a")
         + (f", {tied} sets tied" if tied > 1 else ""),

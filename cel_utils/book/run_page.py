@@ -199,7 +199,9 @@ def reliability_sentence(artifact: dict) -> str:
              f"{sig['help']} item(s) helped against {sig['harm']} harmed, out of {sig['n_items']}."]
     null = rel.get("null")
     if null:
-        parts.append(f"Among **{null['n_sets']} random sets of {null['size']} head(s)** scored on the same holdout, the "
+        where = (f"on the holdout's first {null['n_items']} items (where the frozen set gained "
+                 f"{null['selected_gain_points']:+.1f})" if "n_items" in null else "on the same holdout")
+        parts.append(f"Among **{null['n_sets']} random sets of {null['size']} head(s)** scored {where}, the "
                      f"frozen set's gain is at the **{null['percentile']:.0f}th percentile** (empirical one-sided "
                      f"p = {p_text(null['p_value'])}; random sets' median {null['quantiles']['median']:+.1f}).")
     curse = rel.get("winners_curse")
@@ -237,7 +239,9 @@ def reliability_table(artifact: dict) -> pd.DataFrame:
     if rel.get("null"):
         n = rel["null"]
         q = n["quantiles"]
-        rows["random sets of the same size"] = f"{n['n_sets']} sets of {n['size']}: median {q['median']:+.2f}, range [{q['min']:+.2f}, {q['max']:+.2f}]"
+        on = f" on the first {n['n_items']} holdout items" if "n_items" in n else ""
+        rows["random sets of the same size"] = (f"{n['n_sets']} sets of {n['size']}{on}: median {q['median']:+.2f}, "
+                                                f"range [{q['min']:+.2f}, {q['max']:+.2f}]")
         rows["frozen set among them"] = f"{n['percentile']:.1f}th percentile, empirical p = {p_text(n['p_value'])}"
     if rel.get("stability"):
         st = rel["stability"]

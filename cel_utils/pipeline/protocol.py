@@ -93,9 +93,12 @@ def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool | s
     start = time.perf_counter()
     calibration = calibration_baseline(data.task.calibration, discovery.requests, search.full, holdout_evaluator.requests,
                                        holdout.full, holdout.ablated, seed=config.seed)
+    null_evaluator = (make_evaluator(lm, data, data.holdout[:config.null_items], config, progress, store)
+                      if config.n_random_sets and config.null_items is not None and config.null_items < len(data.holdout)
+                      else None)
     reliability = assess_run(search, holdout, discovery, holdout_evaluator, n_random_sets=config.n_random_sets,
                              n_resamples=config.n_resamples, resample=config.resample, seed=config.seed,
-                             calibration=calibration)
+                             calibration=calibration, null_evaluator=null_evaluator)
     timings["reliability_s"] = time.perf_counter() - start
     timings.update(reliability.pop("timings", None) or {})  # volatile: to the run info, not the artifact
 

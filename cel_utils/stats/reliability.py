@@ -7,7 +7,9 @@
 2. **winner's curse** (free): discovery gain minus holdout gain of the frozen set. The search picked the best
    of hundreds of interventions on the discovery items, so its discovery gain is biased upwards;
 3. **random-set null** (``n_random_sets`` holdout evaluations): the holdout gains of random head sets of the
-   frozen set's size, and where the frozen set's gain falls among them;
+   frozen set's size, and where the frozen set's gain falls among them. They may be scored on the first items of
+   the holdout only (a seeded random draw, so its first items are a random subset); the frozen set is then compared
+   on the same items, from the per-item outcomes the holdout already has;
 4. **stability** (``n_resamples`` reruns of Algorithm 1): the whole selection is rerun on resampled discovery
    sets (``bootstrap``: n items drawn with replacement; ``halves``: pairs of complementary random halves, so
    consecutive selections come from disjoint items). Per-item outcomes on the discovery set are
@@ -101,6 +103,17 @@ def resampled_searches(discovery: OutcomeTable, p: int, k: int, indices: list[np
                        keep=keep) for idx in indices]
 
 
+def _first_items(evaluator: Evaluator, holdout: HoldoutResult, frozen) -> OutcomeTable:
+    """A table over the holdout's first ``len(evaluator.items)`` items that already knows the full model's and the
+    frozen set's outcomes there (sliced from the holdout's, no evaluation)."""
+    n = len(evaluator.items)
+    ids = [item.id for item in evaluator.items]
+    if ids != list(holdout.full.item_ids[:n]):
+        raise ValueError("the null's evaluator must evaluate the first items of the holdout, in the holdout's order")
+    first = np.arange(n)
+    return OutcomeTable(evaluator, known={(): take(holdout.full, first), frozen: take(holdout.ablated, first)})
+
+
 def _quantiles(values) -> dict[str, float]:
     values = np.asarray(values, dtype=float)
     if values.size == 0:
@@ -111,12 +124,14 @@ def _quantiles(values) -> dict[str, float]:
 
 def assess_run(search: SearchResult, holdout: HoldoutResult, discovery: OutcomeTable | Evaluator,
                holdout_evaluator: Evaluator, *, n_random_sets: int, n_resamples: int, resample: str = "bootstrap",
-               seed: int = 0, calibration: dict | None = None) -> dict:
+               seed: int = 0, calibration: dict | None = None, null_evaluator: Evaluator | None = None) -> dict:
     """Significance, winner's curse, random-set null and stability of one run, as the artifact stores them.
 
     ``calibration`` is the run's calibration baseline (:func:`cel_utils.stats.calibration.calibration_baseline`), stored
     and weighed in the verdict. ``discovery`` should be the table the search ran on (then only the resampled pools' new subsets cost
-    anything); a plain evaluator is wrapped, and then stage 1 is evaluated again.
+    anything); a plain evaluator is wrapped, and then stage 1 is evaluated again. ``null_evaluator``, if given,
+    evaluates the first items of the holdout, and the random sets are scored on those only (default: the whole
+    holdout).
     """
     timings: dict[str, float] = {}
     start = time.perf_counter()
@@ -145,17 +160,25 @@ def assess_run(search: SearchResult, holdout: HoldoutResult, discovery: OutcomeT
                                  exclude=[frozen]) if n_random_sets else []
     selections = [s.frozen for s in searches]
     held = OutcomeTable(holdout_evaluator, known={(): holdout.full, frozen: holdout.ablated})
-    held.evaluate(null_sets + selections, desc="holdout: random sets and resampled selections")
+    null_table = held if null_evaluator is None else _first_items(null_evaluator, holdout, frozen)
+    if null_table is held:  # one batched call, as before null_evaluator existed
+        held.evaluate(null_sets + selections, desc="holdout: random sets and resampled selections")
+    else:
+        null_table.evaluate(null_sets, desc=f"holdout: random sets on {len(null_table.items)} items")
+        held.evaluate(selections, desc="holdout: resampled selections")
     full = holdout.full
 
-    def holdout_gain(heads) -> float:
-        return score(heads, held.evaluate_one(heads), full).gain
+    def holdout_gain(heads, table: OutcomeTable = held) -> float:
+        return score(heads, table.evaluate_one(heads), table.evaluate_one(())).gain
 
     if null_sets:
-        gains = [holdout_gain(s) for s in null_sets]
+        gains = [holdout_gain(s, null_table) for s in null_sets]
+        selected = holdout_gain(frozen, null_table)
         result["null"] = {"size": len(frozen), "n_sets": len(null_sets), "sets": [format_heads(s) for s in null_sets],
-                          "gains_points": gains, "selected_gain_points": holdout.gain,
-                          **null_position(holdout.gain, gains), "quantiles": _quantiles(gains)}
+                          "gains_points": gains, "selected_gain_points": selected,
+                          **null_position(selected, gains), "quantiles": _quantiles(gains)}
+        if null_table is not held:  # only then, so that artifacts of whole-holdout nulls keep their bytes
+            result["null"]["n_items"] = len(null_table.items)
     if searches:
         head_freq, set_freq = selection_frequencies(selections)
         holdout_gains = [holdout_gain(s) for s in selections]
@@ -177,5 +200,7 @@ def assess_run(search: SearchResult, holdout: HoldoutResult, discovery: OutcomeT
     result["cost"] = {"extra_discovery_evaluations": discovery_evaluations,
                       "extra_holdout_evaluations": len(held.evaluated), "holdout_items": len(full.correct),
                       "discovery_items": len(search.full.correct)}
+    if null_table is not held:
+        result["cost"]["null_evaluations"] = len(null_table.evaluated)
     result["timings"] = timings
     return result
