@@ -15,8 +15,8 @@ TORCH ?= torch==2.13.0
 # children), so it runs as two pytest-xdist workers, a test file per worker at a time (module fixtures such as the
 # Slurm cluster and the built book stay in one process). TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
-# The main job runs two grid cells at a time: on 2 cores two processes of 2 threads each ran the default model's
-# forwards 1.3x faster than one (445 against 342 tokens/s), and when one cell ends the other has both cores.
+# The main job runs two grid cells at a time: on 2 cores two processes evaluated 1.42x the items per second of one
+# (benchmarks/bench_parallel.py), and when one cell ends the other has both cores (each keeps torch's 2 threads).
 BOOK_JOBS ?= 2
 
 .PHONY: book test browser system-python benchmark clean publish

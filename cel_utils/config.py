@@ -259,8 +259,8 @@ def check_setting(cls: type, name: str, value: Any) -> None:
 # quick: the run notebook's default, a few minutes on a laptop. smoke: seconds per cell with a random tiny model.
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "cpu": {
-        # Sized for `make book` (all four tasks) in an hour on two cores; measured 55 min to 1 h 43 min on different
-        # 2-core machines (README).
+        # Sized for `make book` (all four tasks, two at a time) in an hour on two cores; measured 1 h 14 min on a slow
+        # 2-core machine (README).
         # The screen and m per task are the ones that froze exhaustive stage 1's set in benchmarks/bench_screening.py
         # (README, "Screened stage 1 against exhaustive search").
         # The random sets are scored on the holdout's first 125 items: 4 sets there cost half of 2 on all 500 and can

@@ -68,6 +68,9 @@ def test_numbers_as_text():
     assert text.rer_text(float("nan")) == "n/a"
     assert text.provenance_text({"source": "mirror", "fallback": "no train"}).startswith("mirror (no train split")
     assert text.provenance_text({"source": "generated"}) == "generated"
+    assert [text.ordinal(x) for x in (1, 2, 3, 4, 11, 12, 13, 21, 62.4, 100, 101, 111, 112)] == [
+        "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "62nd", "100th", "101st", "111th", "112th"]
+    assert (text.p_is(0.0004), text.p_is(0.2), text.p_is(0.031)) == ("p < 0.001", "p = 0.20", "p = 0.031")
 
 
 def test_results_page_links_runs_that_have_a_page(tmp_path):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from cel_utils.book.text import ordinal
 from cel_utils.models.heads import parse_head
 
 
@@ -46,7 +47,7 @@ def null_histogram(artifact: dict, ax=None):
     ax.set_ylabel("random sets")
     ax.legend(fontsize=8, loc="upper left")
     ax.set_title(f"holdout gains of {null['n_sets']} random sets of {null['size']} head(s)\nfrozen set at the "
-                 f"{null['percentile']:.0f}th percentile (empirical p = {null['p_value']:.3g})", fontsize=9)
+                 f"{ordinal(null['percentile'])} percentile (empirical p = {null['p_value']:.3g})", fontsize=9)
     ax.figure.tight_layout()
     return ax.figure
 

@@ -12,7 +12,7 @@ import pandas as pd
 
 from cel_utils.book.run_page import power_of, run_stem, significance, tied_at_top, verdict_of
 from cel_utils.book.strategies_page import strategies_section
-from cel_utils.book.text import ci_text, md_table, p_text, provenance_text, rer_text, transition_text
+from cel_utils.book.text import ci_text, md_table, ordinal, p_is, provenance_text, rer_text, transition_text
 from cel_utils.paths import atomic_write
 from cel_utils.pipeline.artifacts import load_artifacts
 from cel_utils.tasks.scoring import relative_error_reduction
@@ -69,11 +69,11 @@ def _reliability_columns(art: dict) -> dict:
         "power_text": ("n/a" if power is None else "none detectable" if power["min_detectable_gain_points"] is None
                        else f"{power['min_detectable_gain_points']:.1f} points"),
         "calibration_text": (f"{cal['holdout_gain_points']:+.1f} (ablation - calibration "
-                             f"{cal['ablation_vs_calibration']['gain_points']:+.1f}, p = "
-                             f"{p_text(cal['ablation_vs_calibration']['p_value'])})" if cal else "n/a"),
+                             f"{cal['ablation_vs_calibration']['gain_points']:+.1f}, "
+                             f"{p_is(cal['ablation_vs_calibration']['p_value'])})" if cal else "n/a"),
         "ci": ci_text(sig), "p_value": sig["p_value"] if sig else float("nan"),
-        "null_text": (f"{null['percentile']:.0f}th pct of {null['n_sets']}"
-                      + (f" on {null['n_items']} items" if "n_items" in null else "") + f" (p = {p_text(null['p_value'])})"
+        "null_text": (f"{ordinal(null['percentile'])} pct of {null['n_sets']}"
+                      + (f" on {null['n_items']} items" if "n_items" in null else "") + f" ({p_is(null['p_value'])})"
                       if null else "not run"),
         "curse_text": (f"{curse['discovery_gain_points']:+.1f} -> {curse['holdout_gain_points']:+.1f}" if curse else "n/a")
         + (f", {tied} sets tied" if tied > 1 else ""),

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from cel_utils.book.text import ci_text, p_text, provenance_text, rer_text, styled, transition_text
+from cel_utils.book.text import ci_text, ordinal, p_is, p_text, provenance_text, rer_text, styled, transition_text
 from cel_utils.tasks.scoring import relative_error_reduction
 
 
@@ -202,8 +202,8 @@ def reliability_sentence(artifact: dict) -> str:
         where = (f"on the holdout's first {null['n_items']} items (where the frozen set gained "
                  f"{null['selected_gain_points']:+.1f})" if "n_items" in null else "on the same holdout")
         parts.append(f"Among **{null['n_sets']} random sets of {null['size']} head(s)** scored {where}, the "
-                     f"frozen set's gain is at the **{null['percentile']:.0f}th percentile** (empirical one-sided "
-                     f"p = {p_text(null['p_value'])}; random sets' median {null['quantiles']['median']:+.1f}).")
+                     f"frozen set's gain is at the **{ordinal(null['percentile'])} percentile** (empirical one-sided "
+                     f"{p_is(null['p_value'])}; random sets' median {null['quantiles']['median']:+.1f}).")
     curse = rel.get("winners_curse")
     if curse:
         parts.append(f"On the discovery items the same set gained {curse['discovery_gain_points']:+.1f} points: the "
@@ -232,7 +232,7 @@ def reliability_table(artifact: dict) -> pd.DataFrame:
         cal, versus = rel["calibration"], rel["calibration"]["ablation_vs_calibration"]
         rows["calibration baseline (offsets fitted on discovery)"] = (
             f"{100 * cal['holdout_accuracy']:.1f}% on the holdout ({cal['holdout_gain_points']:+.2f} points); ablation "
-            f"minus calibration {versus['gain_points']:+.2f}, McNemar p = {p_text(versus['p_value'])}")
+            f"minus calibration {versus['gain_points']:+.2f}, McNemar {p_is(versus['p_value'])}")
     if rel.get("winners_curse"):
         c = rel["winners_curse"]
         rows["discovery gain -> holdout gain"] = f"{c['discovery_gain_points']:+.2f} -> {c['holdout_gain_points']:+.2f} (gap {c['gap_points']:+.2f})"
@@ -242,7 +242,7 @@ def reliability_table(artifact: dict) -> pd.DataFrame:
         on = f" on the first {n['n_items']} holdout items" if "n_items" in n else ""
         rows["random sets of the same size"] = (f"{n['n_sets']} sets of {n['size']}{on}: median {q['median']:+.2f}, "
                                                 f"range [{q['min']:+.2f}, {q['max']:+.2f}]")
-        rows["frozen set among them"] = f"{n['percentile']:.1f}th percentile, empirical p = {p_text(n['p_value'])}"
+        rows["frozen set among them"] = f"{n['percentile']:.1f}th percentile, empirical {p_is(n['p_value'])}"
     if rel.get("stability"):
         st = rel["stability"]
         q = st["holdout_gain_quantiles"]

@@ -40,12 +40,25 @@ def p_text(p: float | None) -> str:
     return "<0.001" if p < 0.001 else f"{p:.3f}" if p < 0.1 else f"{p:.2f}"
 
 
+def p_is(p: float | None) -> str:
+    """``'p = 0.031'``, ``'p < 0.001'`` (not ``'p = <0.001'``)."""
+    text = p_text(p)
+    return f"p < {text[1:]}" if text.startswith("<") else f"p = {text}"
+
+
+def ordinal(x: float) -> str:
+    """62.5 -> '62nd', 1 -> '1st', 11 -> '11th', 100 -> '100th' (rounded to a whole number)."""
+    n = round(x)
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 def ci_text(sig: dict | None) -> str:
     """``'95% CI [-3.1, +8.0], p = 0.031'`` (McNemar); empty when there is no test."""
     if not sig:
         return ""
     level = round(100 * sig["confidence"])
-    return f"{level}% CI [{sig['ci_low']:+.1f}, {sig['ci_high']:+.1f}], p = {p_text(sig['p_value'])}"
+    return f"{level}% CI [{sig['ci_low']:+.1f}, {sig['ci_high']:+.1f}], {p_is(sig['p_value'])}"
 
 
 def provenance_text(data: dict) -> str:
