@@ -14,22 +14,19 @@ class XorEvaluator:
     by a per-head amount when ``shifts`` gives one; records every call."""
 
     def __init__(self, base, flips, shifts=None, geometry=GEOMETRY, first_item: int = 0):
-        self.lm, self.first_item = SimpleNamespace(geometry=geometry), first_item
+        self.lm = SimpleNamespace(geometry=geometry)
         self.base, self.flips, self.shifts, self.calls = np.asarray(base, bool), flips, shifts or {}, []
-
-    @property
-    def items(self):
-        return [SimpleNamespace(id=f"i{j}") for j in range(self.first_item, self.first_item + len(self.base))]
+        self.items = [SimpleNamespace(id=f"i{j}") for j in range(first_item, first_item + len(self.base))]
 
     def evaluate(self, interventions, desc=None):
         interventions = [head_set(i) for i in interventions]
         self.calls.append(interventions)
-        out = []
+        out, ids = [], [item.id for item in self.items]
         for heads in interventions:
             correct = self.base.copy()
             for head in heads:
                 correct ^= self.flips.get(head, np.zeros_like(self.base))
             margin = np.where(correct, 1.0, -1.0) + sum(self.shifts.get(h, 0.0) for h in heads)
-            out.append(Outcome(item_ids=[item.id for item in self.items], correct=correct, margin=margin,
+            out.append(Outcome(item_ids=list(ids), correct=correct, margin=margin,
                                metrics={"acc": correct.copy()}))
         return out
