@@ -296,6 +296,11 @@ PRESET_TASKS = {"cpu": ("arithmetic_1dc", "boolq", "hellaswag", "mbpp"), "paper"
                 "quick": ("arithmetic_1dc", "boolq", "hellaswag", "mbpp"), "smoke": TASK_FAMILIES, "none": TASK_FAMILIES}
 
 
+# Minutes each cpu-preset run of the default model took in `make book`, two at a time (README, on the slow 2-core machine).
+# Only their order is used: the local pool starts the longest runs first (cel_utils.grid.executors.start_order).
+RUN_MINUTES = {"cpu": {"boolq": 44, "hellaswag": 39, "mbpp": 26, "arithmetic": 20}}
+
+
 def resolve_preset(name: str = "auto") -> str:
     """``auto``: ``paper`` when CUDA is available here, else ``cpu``."""
     if name not in PRESET_NAMES:
@@ -315,6 +320,11 @@ def preset_values(preset: str, task: str) -> dict[str, Any]:
     """The preset's partial configuration for ``task`` (its family's row over the ``*`` row)."""
     table = PRESETS[resolve_preset(preset)]
     return {**table.get("*", {}), **table.get(task_family(task), {})}
+
+
+def expected_minutes(preset: str, task: str) -> float | None:
+    """How long a run of ``task`` under ``preset`` took when last measured (:data:`RUN_MINUTES`); None if never."""
+    return RUN_MINUTES.get(resolve_preset(preset), {}).get(task_family(task))
 
 
 def default_tasks(preset: str = "auto") -> tuple[str, ...]:

@@ -87,7 +87,9 @@ def test_default_model_decides_the_same_on_either_engine_at_any_batch_size(defau
     data = load_task_data(task, 8, 3, seed=0, num_fewshot=num_fewshot, data_dir=data_dir)
     geometry = default_model.geometry  # a different head in every third layer: 10 starting layers, bottom to top
     heads = [HeadId(layer, layer % geometry.n_heads) for layer in range(0, geometry.n_layers, 3)]
-    one, ranked_one = _stage1(default_model, data, 1, None, heads)
+    # batches of at most 3 items are padded and stacked otherwise than those of 8 (the naive path at batch size 1 below
+    # is the unpadded reference; the engine at batch size 1 took a minute longer on arithmetic's 3-shot prompts)
+    three, ranked_three = _stage1(default_model, data, 3, None, heads)
     eight, ranked_eight = _stage1(default_model, data, 8, None, heads)
     # the naive path (one forward per item and answer) at batch sizes 1 and 8, on the full model and one mid-depth
     # head (outcomes 0 and 6 of the engine's): the same decisions exactly, as the engine's at batch size 8
@@ -98,10 +100,10 @@ def test_default_model_decides_the_same_on_either_engine_at_any_batch_size(defau
         np.testing.assert_allclose(b.margin, a.margin, rtol=0, atol=1e-3)
         np.testing.assert_allclose(c.margin, a.margin, rtol=0, atol=1e-3)
     ties = [(k, i) for k, o in enumerate(eight) for i in np.flatnonzero(np.abs(o.margin) <= TIE)]
-    differ = [(k, i) for k, (a, b) in enumerate(zip(one, eight)) for i in np.flatnonzero(a.correct != b.correct)]
+    differ = [(k, i) for k, (a, b) in enumerate(zip(three, eight)) for i in np.flatnonzero(a.correct != b.correct)]
     assert set(differ) <= set(ties), f"decisions differ beyond float ties: {differ}"
-    for a, b in zip(one, eight):
+    for a, b in zip(three, eight):
         np.testing.assert_allclose(b.margin, a.margin, rtol=0, atol=1e-3)
     if not ties:
-        assert ranked_one == ranked_eight
+        assert ranked_three == ranked_eight
     print(f"{task}: {len(ties)} float ties, {len(differ)} decisions differ, among {len(eight)} x {len(data.discovery)}")

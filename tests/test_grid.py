@@ -11,6 +11,7 @@ import pytest
 from cel_utils import config, grid
 from cel_utils.book.build import BookPaths, toc_dict
 from cel_utils.cli import main
+from cel_utils.grid.executors import start_order
 
 REPO = Path(__file__).resolve().parents[1]
 MIRROR = Path(os.environ.get("CEL_DATA_DIR") or REPO.parent / "shared" / "data")
@@ -44,6 +45,18 @@ def test_each_preset_has_default_tasks_one_per_family_that_plan_accepts(tmp_path
         cells = grid.plan([GOOD], tasks, [0], name, runs_dir=tmp_path / "runs", results_dir=tmp_path / "results")
         assert [c.parameters["task"] for c in cells] == list(tasks)
     assert config.default_tasks("cpu")[0] == "arithmetic_1dc" and config.default_tasks("paper")[0] == "arithmetic"
+
+
+def test_the_local_pool_starts_the_longest_measured_runs_first(tmp_path):
+    """`make book` (two workers): BoolQ and HellaSwag start together and arithmetic, the shortest, starts last, not
+    beside BoolQ; cells never measured follow in grid order; results still come back in grid order (test below)."""
+    assert {config.task_family(t) for t in config.default_tasks("cpu")} <= set(config.RUN_MINUTES["cpu"])
+    paths = dict(runs_dir=tmp_path / "runs", results_dir=tmp_path / "results")
+    cpu = grid.plan([GOOD], config.default_tasks("cpu"), [0], "cpu", **paths)
+    smoke = grid.plan([GOOD], ["mbpp", "arithmetic_2da"], [0, 1], "smoke", **paths)
+    order = [(c.parameters["preset"], c.parameters["task"], c.parameters["seed"]) for c in start_order(smoke + cpu)]
+    assert order == [("cpu", "boolq", 0), ("cpu", "hellaswag", 0), ("cpu", "mbpp", 0), ("cpu", "arithmetic_1dc", 0),
+                     ("smoke", "mbpp", 0), ("smoke", "mbpp", 1), ("smoke", "arithmetic_2da", 0), ("smoke", "arithmetic_2da", 1)]
 
 
 def test_plan_applies_preset_and_overrides_and_validates_first(tmp_path):

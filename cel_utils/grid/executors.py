@@ -1,7 +1,7 @@
 """Run every cell of a grid: in this process, in worker processes, or as submitit jobs (locally or on Slurm).
 
 ``local`` runs cells one after the other, or ``jobs`` at a time in worker processes (each papermill run starts its own
-kernel); ``submitit-local`` and ``slurm`` submit one submitit job per cell (like the paper: one job per model-task),
+kernel, the longest expected runs first: :func:`start_order`); ``submitit-local`` and ``slurm`` submit one submitit job per cell (like the paper: one job per model-task),
 or one Slurm job array, the first on this machine, the second to a Slurm cluster (:mod:`cel_utils.grid.jobs`,
 options in :mod:`cel_utils.grid.slurm`). A failure is recorded in its cell's result and the others go on; results
 come back in grid order.
@@ -12,6 +12,7 @@ import os
 from typing import Callable
 
 from cel_utils.checks import check_int
+from cel_utils.config import expected_minutes
 from cel_utils.grid.cells import Cell, CellResult, _stat, failed_result, result_line, run_cell
 from cel_utils.grid.slurm import SlurmOptions
 
@@ -71,6 +72,17 @@ def claim_gpu(queue) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = queue.get()
 
 
+def start_order(cells: list[Cell]) -> list[Cell]:
+    """The order in which worker processes take cells: the longest expected run first, cells never measured after
+    them, each group in grid order.
+
+    Longest-processing-time-first scheduling: workers take the next cell as they free up, so a long run started last
+    would run alone at the end while the other workers idle. In grid order `make book` ran arithmetic (its shortest
+    run) beside BoolQ (its longest) and MBPP alone at the end.
+    """
+    return sorted(cells, key=lambda cell: -(expected_minutes(cell.parameters["preset"], cell.parameters["task"]) or 0))
+
+
 def _run_pool(cells: list[Cell], jobs: int, skip_existing: bool, stream: bool, done: Callable) -> None:
     """``jobs`` worker processes; with GPUs, each worker gets its own (round robin when there are more workers)."""
     import multiprocessing
@@ -83,7 +95,7 @@ def _run_pool(cells: list[Cell], jobs: int, skip_existing: bool, stream: bool, d
             queue.put(gpus[worker % len(gpus)])
         setup = {"initializer": claim_gpu, "initargs": (queue,)}
     with ProcessPoolExecutor(max_workers=jobs, mp_context=context, **setup) as pool:
-        futures = {pool.submit(run_cell, cell, skip_existing, stream): (cell, _stat(cell.artifact)) for cell in cells}
+        futures = {pool.submit(run_cell, cell, skip_existing, stream): (cell, _stat(cell.artifact)) for cell in start_order(cells)}
         for future in as_completed(futures):
             try:
                 done(future.result())
