@@ -89,6 +89,20 @@ def test_models_without_files_are_keyed_by_every_tensor(tiny_models):
     assert model_fingerprint(model, source) != first
 
 
+def test_where_the_checkpoint_lies_is_not_part_of_the_key(tiny_models):
+    """The default model is dequantized into the cache folder, so its config names a path that differs between
+    machines and clones; the key of the same weights must not."""
+    import copy
+
+    model = copy.deepcopy(tiny_models["llama"].model)
+    source = {"kind": "gguf", "sha256": "1" * 64}
+    first = model_fingerprint(model, source)
+    model.config._name_or_path = "/another/cache/models/SmolLM2-135M-Instruct.Q4_1-b179c9523d0e6a0f"
+    assert model_fingerprint(model, source) == first
+    model.config.rms_norm_eps = 2 * model.config.rms_norm_eps  # any other setting is part of the key
+    assert model_fingerprint(model, source) != first
+
+
 def test_the_source_names_the_weights_when_it_can(tiny_models):
     model = tiny_models["llama"].model
     hub = {"kind": "hub", "id": "org/name"}
