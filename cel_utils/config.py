@@ -296,7 +296,7 @@ PRESET_TASKS = {"cpu": ("arithmetic_1dc", "boolq", "hellaswag", "mbpp"), "paper"
                 "quick": ("arithmetic_1dc", "boolq", "hellaswag", "mbpp"), "smoke": TASK_FAMILIES, "none": TASK_FAMILIES}
 
 
-# Minutes each cpu-preset run of the default model took in `make book`, two at a time (README, on the slow 2-core machine).
+# Minutes each cpu-preset run of the default model took in `make book`, two at a time (README; a slow 2-core machine).
 # Only their order is used: the local pool starts the longest runs first (cel_utils.grid.executors.start_order).
 RUN_MINUTES = {"cpu": {"boolq": 41, "hellaswag": 37, "mbpp": 27, "arithmetic": 20}}
 

@@ -56,7 +56,8 @@ def test_the_local_pool_starts_the_longest_measured_runs_first(tmp_path):
     smoke = grid.plan([GOOD], ["mbpp", "arithmetic_2da"], [0, 1], "smoke", **paths)
     order = [(c.parameters["preset"], c.parameters["task"], c.parameters["seed"]) for c in start_order(smoke + cpu)]
     assert order == [("cpu", "boolq", 0), ("cpu", "hellaswag", 0), ("cpu", "mbpp", 0), ("cpu", "arithmetic_1dc", 0),
-                     ("smoke", "mbpp", 0), ("smoke", "mbpp", 1), ("smoke", "arithmetic_2da", 0), ("smoke", "arithmetic_2da", 1)]
+                     ("smoke", "mbpp", 0), ("smoke", "mbpp", 1),
+                     ("smoke", "arithmetic_2da", 0), ("smoke", "arithmetic_2da", 1)]
 
 
 def test_plan_applies_preset_and_overrides_and_validates_first(tmp_path):

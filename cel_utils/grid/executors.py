@@ -1,10 +1,10 @@
 """Run every cell of a grid: in this process, in worker processes, or as submitit jobs (locally or on Slurm).
 
 ``local`` runs cells one after the other, or ``jobs`` at a time in worker processes (each papermill run starts its own
-kernel, the longest expected runs first: :func:`start_order`); ``submitit-local`` and ``slurm`` submit one submitit job per cell (like the paper: one job per model-task),
-or one Slurm job array, the first on this machine, the second to a Slurm cluster (:mod:`cel_utils.grid.jobs`,
-options in :mod:`cel_utils.grid.slurm`). A failure is recorded in its cell's result and the others go on; results
-come back in grid order.
+kernel; the longest expected runs start first, :func:`start_order`); ``submitit-local`` and ``slurm`` submit one
+submitit job per cell (like the paper: one job per model-task), or one Slurm job array, the first on this machine, the
+second to a Slurm cluster (:mod:`cel_utils.grid.jobs`, options in :mod:`cel_utils.grid.slurm`). A failure is recorded
+in its cell's result and the others go on; results come back in grid order.
 """
 from __future__ import annotations
 
@@ -95,7 +95,8 @@ def _run_pool(cells: list[Cell], jobs: int, skip_existing: bool, stream: bool, d
             queue.put(gpus[worker % len(gpus)])
         setup = {"initializer": claim_gpu, "initargs": (queue,)}
     with ProcessPoolExecutor(max_workers=jobs, mp_context=context, **setup) as pool:
-        futures = {pool.submit(run_cell, cell, skip_existing, stream): (cell, _stat(cell.artifact)) for cell in start_order(cells)}
+        futures = {pool.submit(run_cell, cell, skip_existing, stream): (cell, _stat(cell.artifact))
+                   for cell in start_order(cells)}
         for future in as_completed(futures):
             try:
                 done(future.result())
