@@ -333,7 +333,8 @@ def model_fingerprint(model: nn.Module, source: dict | None = None) -> str:
         weights = f"tensors:{tensors_sha256(model)}"
     # Every setting but `_name_or_path`, which is where the checkpoint lies on this machine (for the default model, a
     # folder under the cache): two clones with different caches ran the same model and must share its key.
-    settings = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}
+    settings = json.loads(model.config.to_json_string(use_diff=False))  # the library's serialization (inf, NaN)
+    settings.pop("_name_or_path", None)
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
     digest.update(weights.encode())
     return digest.hexdigest()[:20]
