@@ -259,7 +259,7 @@ def check_setting(cls: type, name: str, value: Any) -> None:
 # quick: the run notebook's default, a few minutes on a laptop. smoke: seconds per cell with a random tiny model.
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "cpu": {
-        # Sized for `make book` (all four tasks, two at a time) in an hour on two cores; measured 1 h 9 min on a slow
+        # Sized for `make book` (all four tasks, two at a time) in an hour on two cores; measured 1 h 8 min on a slow
         # 2-core machine (README).
         # The screen and m per task are the ones that froze exhaustive stage 1's set in benchmarks/bench_screening.py
         # (README, "Screened stage 1 against exhaustive search").
@@ -298,7 +298,7 @@ PRESET_TASKS = {"cpu": ("arithmetic_1dc", "boolq", "hellaswag", "mbpp"), "paper"
 
 # Minutes each cpu-preset run of the default model took in `make book`, two at a time (README; a slow 2-core machine).
 # Only their order is used: the local pool starts the longest runs first (cel_utils.grid.executors.start_order).
-RUN_MINUTES = {"cpu": {"boolq": 41, "hellaswag": 37, "mbpp": 27, "arithmetic": 20}}
+RUN_MINUTES = {"cpu": {"boolq": 44.5, "hellaswag": 40.1, "mbpp": 19.7, "arithmetic": 19.5}}
 
 
 def resolve_preset(name: str = "auto") -> str:

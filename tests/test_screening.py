@@ -67,6 +67,28 @@ def test_attribution_per_item_is_each_items_own_gradient(discovery):
     np.testing.assert_allclose(one.per_item[0], result.per_item[2], rtol=1e-4, atol=1e-6)  # batching changes nothing
 
 
+def test_one_token_answers_share_one_row_and_the_same_numbers(tiny_models, data_dir, monkeypatch):
+    """BoolQ's " yes" and " no" read the same row (the context): one forward and backward per item, not two, and the
+    same per-item attribution and margin as with a row per answer."""
+    from cel_utils.search import attribution
+
+    data = load_task_data("boolq", 6, 1, seed=0, data_dir=data_dir)
+    evaluator = EngineEvaluator(tiny_models["llama"], data.task, data.discovery, data.fewshot, progress=False)
+    assert [len(attribution._rows(r)[0]) for r in evaluator.requests] == [1] * 6
+    shared = head_attributions(evaluator)
+    rows = attribution._rows
+
+    def row_per_answer(request):
+        _, reads = rows(request)
+        return [list(request.context)] * len(reads), [(j, targets, first) for j, (_, targets, first) in enumerate(reads)]
+
+    monkeypatch.setattr(attribution, "_rows", row_per_answer)
+    separate = head_attributions(evaluator)
+    np.testing.assert_allclose(shared.per_item, separate.per_item, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(shared.full_margins, separate.full_margins, rtol=1e-5, atol=1e-6)
+    assert np.abs(shared.per_item).max() > 0
+
+
 def test_mbpp_is_screened_by_the_reference_solutions_likelihood(tiny_models, data_dir):
     from cel_utils.tasks.prompts import reference_requests
     from cel_utils.tasks.scoring import loglikelihoods_naive

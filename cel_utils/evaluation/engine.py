@@ -39,6 +39,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from cel_utils.evaluation.batching import length_batches
 from cel_utils.evaluation.evaluator import Evaluator, Intervention
 from cel_utils.evaluation.prefix import (MIN_SHARED_PREFIX, prefix_cache, prefix_states, shared_prefix_length,
                                         sliding_window)
@@ -150,17 +151,9 @@ class EngineEvaluator(Evaluator):
 
     def _make_batches(self) -> list[list[int]]:
         order = sorted(range(len(self.rows)), key=lambda i: -len(self.rows[i].tokens))
-        batches, current = [], []
-        for i in order:
-            width = len(self.rows[current[0]].tokens) if current else len(self.rows[i].tokens)
-            if current and (len(current) >= self.batch_size or (len(current) + 1) * width > self.token_budget
-                            or len(self.rows[i].tokens) < (1 - MAX_PADDING) * width):
-                batches.append(current)
-                current = []
-            current.append(i)
-        if current:
-            batches.append(current)
-        return batches
+        spans = length_batches([len(self.rows[i].tokens) for i in order], self.batch_size, self.token_budget,
+                               MAX_PADDING)
+        return [order[start:stop] for start, stop in spans]
 
     def store_fields(self) -> dict:
         # The shortcut stores answer logits, not log-probabilities: a different quantity under the same name.
@@ -336,11 +329,12 @@ class EngineEvaluator(Evaluator):
         # bandwidth and wide steps are much cheaper per row (MBPP, 4 items x 8 heads on 2 cores: 2.5 s per row
         # at 8 rows per step, 1.85 s at 32). Rows are capped by their KV cache, which is small: a row holds its
         # own tokens and the ones it generates (the shared few-shot prefix is computed once per head set, see
-        # generation.generate), so a call may hold 4x the forward token budget.
+        # generation.generate), so a call may hold 4x the forward token budget. Interventions are stacked by the
+        # typical row; generation.MAX_PROMPT_PADDING keeps a rare long prompt from widening a whole batch.
         shared = shared_prefix_length([r.context for r in self.requests]) if n > 1 else 0
-        per_row = max(len(r.context) for r in self.requests) - shared + self.max_new_tokens
-        rows_per_call = max(self.batch_size, min(64, 4 * self.token_budget // max(1, per_row)))
-        stack = max(1, rows_per_call // n) if n <= rows_per_call else 1
+        typical = int(np.median([len(r.context) for r in self.requests])) - shared + self.max_new_tokens
+        rows_per_call = max(self.batch_size, min(64, 4 * self.token_budget // max(1, typical)))
+        stack = max(1, rows_per_call // n)
         key = self.store_key(range(n)) if self.stored else None
         stored = self.stored.load_completions(key, n) if self.stored else {}
         outcomes: list[Outcome] = []
@@ -353,7 +347,8 @@ class EngineEvaluator(Evaluator):
             if missing:
                 row_masks = torch.cat([head_mask(heads, self.lm.geometry).expand(n, -1, -1) for heads in chunk])
                 completions = generate(self.lm, self.requests * len(chunk), row_masks=row_masks,
-                                       batch_size=min(rows_per_call, n * len(chunk)), max_new_tokens=self.max_new_tokens)
+                                       batch_size=rows_per_call, max_new_tokens=self.max_new_tokens,
+                                       token_budget=4 * self.token_budget)
                 new = {label: completions[j * n:(j + 1) * n] for j, label in enumerate(labels) if label in missing}
                 if self.stored:
                     self.stored.save_completions(key, new)

@@ -1,10 +1,11 @@
 """Greedy generation under an ablation (MBPP), and pass@1 by running the code in the sandbox.
 
-Generation uses the model's own incremental decoding (KV cache) with left padding, an attention mask and
-position ids counted from each row's first real token, so a row decodes the same at any batch size up to
-float rounding. Each row stops at its stop string (``[DONE]`` in the plain format, the closing code fence in
-the chat format) or at end of sequence; the batch ends when every row has stopped. A different head set
-per row (``row_masks``) lets the engine decode many interventions in one batch.
+Greedy decoding with a KV cache, left padding, an attention mask and position ids counted from each row's first
+real token (the inputs ``model.generate`` builds), so a row decodes the same at any batch size up to float rounding.
+Each row stops at its stop string (``[DONE]`` in the plain format, the closing code fence in the chat format) or at
+end of sequence, and then leaves the batch (:func:`_greedy`); batches group prompts of similar length
+(:data:`MAX_PROMPT_PADDING`). A different head set per row (``row_masks``) lets the engine decode many interventions
+in one batch.
 
 Few-shot prompts share a long token prefix (MBPP's three exemplars are ~600 of ~700 prompt tokens). The
 prefix's keys and values are computed once per distinct head set in a batch, from that set's lowest ablated
@@ -15,7 +16,7 @@ row's whole prompt.
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from typing import Iterable
 
 import numpy as np
@@ -23,10 +24,16 @@ import torch
 
 from cel_utils.models.ablation import ablated, ablated_rows
 from cel_utils.models.heads import HeadId
+from cel_utils.evaluation.batching import length_batches
 from cel_utils.evaluation.prefix import MIN_SHARED_PREFIX, prefix_states, shared_prefix_length, sliding_window
 from cel_utils.models.loading import LoadedModel
 from cel_utils.tasks.prompts import GenRequest
 from cel_utils.tasks.scoring import Outcome
+
+
+# A prompt is padded to at most twice its own length (after the shared prefix), so that one long prompt does not widen
+# a whole batch of short ones: MBPP's holdout has one of 863 tokens, its median is 97.
+MAX_PROMPT_PADDING = 0.5
 
 
 def _stop_ids(lm: LoadedModel) -> list[int]:
@@ -72,26 +79,29 @@ def cut_completion(text: str, stop: str | None) -> str:
 
 @torch.no_grad()
 def generate(lm: LoadedModel, requests: list[GenRequest], heads: Iterable[HeadId] = (), *,
-             row_masks: torch.Tensor | None = None, batch_size: int = 8, max_new_tokens: int = 256) -> list[str]:
+             row_masks: torch.Tensor | None = None, batch_size: int = 8, max_new_tokens: int = 256,
+             token_budget: int | None = None) -> list[str]:
     """Greedy completions (stop string removed), in request order.
 
     ``row_masks`` (bool [len(requests), layers, heads]) gives each request its own ablation; otherwise
-    ``heads`` applies to all.
+    ``heads`` applies to all. A batch holds at most ``batch_size`` rows and, with ``token_budget``, at most that
+    many tokens of the rows' own context and answer (padded to the batch's longest); see :data:`MAX_PROMPT_PADDING`.
     """
     tokenizer, pad = lm.tokenizer, lm.tokenizer.pad_token_id
     order = sorted(range(len(requests)), key=lambda i: -len(requests[i].context))  # similar lengths share a batch
+    common = shared_prefix_length([r.context for r in requests]) if len(requests) > 1 else 0
+    own = [len(requests[i].context) - common for i in order]
     completions: list[str | None] = [None] * len(requests)
     stops = sorted({r.stop for r in requests if r.stop})
     window = sliding_window(lm)
-    for start in range(0, len(order), batch_size):
-        batch = order[start:start + batch_size]
+    for start, stop in length_batches(own, batch_size, token_budget, MAX_PROMPT_PADDING, max_new_tokens):
+        batch = order[start:stop]
         contexts = [requests[i].context for i in batch]
         masks = None if row_masks is None else row_masks[batch]
         n_prefix = shared_prefix_length(contexts)
         if n_prefix < MIN_SHARED_PREFIX or (window and max(map(len, contexts)) + max_new_tokens > window):
             n_prefix = 0
-        own = max(len(c) - n_prefix for c in contexts)
-        width = n_prefix + own
+        width = n_prefix + max(len(c) - n_prefix for c in contexts)
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for row, context in enumerate(contexts):
@@ -101,15 +111,56 @@ def generate(lm: LoadedModel, requests: list[GenRequest], heads: Iterable[HeadId
             mask[row, width - (len(context) - n_prefix):] = 1
         states = prefix_states(lm, contexts[0][:n_prefix], heads, masks, len(batch)) if n_prefix else None
         cache = _decoding_cache(lm, len(batch), width + max_new_tokens, states)
-        with _ablation(lm, heads, masks):
-            out = lm.model.generate(
-                input_ids=ids.to(lm.device), attention_mask=mask.to(lm.device), max_new_tokens=max_new_tokens,
-                do_sample=False, temperature=None, top_p=None, top_k=None, num_beams=1,
-                eos_token_id=_stop_ids(lm), pad_token_id=pad, stop_strings=stops or None, tokenizer=tokenizer, cache=cache)
+        answers = _greedy(lm, ids[:, n_prefix:], mask, cache, heads, masks, max_new_tokens=max_new_tokens,
+                          stop_ids=set(_stop_ids(lm)), stops=stops)
         for row, i in enumerate(batch):
-            text = tokenizer.decode(out[row, width:], skip_special_tokens=True)
-            completions[i] = cut_completion(text, requests[i].stop)
+            completions[i] = cut_completion(tokenizer.decode(answers[row], skip_special_tokens=True), requests[i].stop)
     return completions
+
+
+def _greedy(lm: LoadedModel, ids: torch.Tensor, mask: torch.Tensor, cache, heads, masks: torch.Tensor | None, *,
+            max_new_tokens: int, stop_ids: set[int], stops: list[str]) -> list[list[int]]:
+    """Each row's greedy answer tokens (through its stop token or string), decoding ``ids`` (the rows' tokens after
+    the prefix held in ``cache``; ``mask`` covers prefix and rows) one token per step.
+
+    A row that has stopped leaves the batch: once an eighth of the rows have stopped, the cache and the masks keep
+    only the rows still decoding (``Cache.reorder_cache``, as beam search uses), so a step's cost follows the rows still
+    decoding, not the longest answer times all rows (MBPP's median answer is a third of its token budget). Inputs
+    are what ``model.generate`` passes: position ids counted from each row's first real token, an attention mask
+    growing by one per step.
+    """
+    device, pad = lm.device, lm.tokenizer.pad_token_id
+    decode = lm.tokenizer.decode
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)[:, -ids.shape[1]:]
+    mask = mask.to(device)
+    answers: list[list[int]] = [[] for _ in range(len(ids))]
+    slots = list(range(len(ids)))  # the request row held by each cache row
+    running = [True] * len(ids)  # per cache row: still decoding
+    with ExitStack() as scope:
+        scope.enter_context(_ablation(lm, heads, masks))
+        for step in range(max_new_tokens):
+            logits = lm.model(input_ids=ids.to(device), attention_mask=mask, position_ids=positions.to(device),
+                              cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            tokens = logits.float().argmax(-1).tolist()
+            for slot, (row, token) in enumerate(zip(slots, tokens)):
+                if running[slot]:
+                    answers[row].append(token)
+                    running[slot] = token not in stop_ids and not any(s in decode(answers[row]) for s in stops)
+            if not any(running) or step == max_new_tokens - 1:
+                break
+            # compacting copies the cache of every row kept, so it waits for an eighth of the rows to stop
+            if running.count(False) >= max(1, len(running) // 8):
+                keep = [slot for slot, r in enumerate(running) if r]
+                index = torch.tensor(keep, device=device)
+                cache.reorder_cache(index)
+                mask, positions = mask[index], positions[keep]
+                tokens, slots, running = [tokens[s] for s in keep], [slots[s] for s in keep], [True] * len(keep)
+                scope.close()
+                scope.enter_context(_ablation(lm, heads, None if masks is None else masks[slots]))
+            ids = torch.tensor([[t if r else pad] for t, r in zip(tokens, running)])
+            positions = positions[:, -1:] + 1
+            mask = torch.cat([mask, mask.new_ones((len(mask), 1))], dim=-1)
+    return answers
 
 
 def score_generations(task, requests: list[GenRequest], completions: list[str], *, timeout_s: float = 10.0,

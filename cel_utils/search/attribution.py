@@ -52,23 +52,32 @@ class Attribution:
         return self.per_item.mean(axis=0)
 
 
-def _rows(request) -> list[tuple[list[int], list[int], int]]:
-    """Per continuation: input tokens (context + answer minus its last token), targets, first scored position."""
+def _rows(request) -> tuple[list[list[int]], list[tuple[int, list[int], int]]]:
+    """The request's distinct input rows (context + answer minus its last token, so one-token answers such as BoolQ's
+    " yes" and " no" share one row, the context) and, per continuation, (its row, its targets, its first scored
+    position)."""
     context = list(request.context)
-    return [(context + list(cont[:-1]), list(cont), len(context) - 1) for cont in request.continuations]
+    rows: list[list[int]] = []
+    reads = []
+    for cont in request.continuations:
+        tokens = context + list(cont[:-1])
+        if tokens not in rows:
+            rows.append(tokens)
+        reads.append((rows.index(tokens), list(cont), len(context) - 1))
+    return rows, reads
 
 
 def _batches(requests, budget: int) -> list[list[int]]:
-    """Requests grouped so that all continuations of a request share a batch, under a token budget."""
-    order = sorted(range(len(requests)), key=lambda i: -max(len(t) for t, _, _ in _rows(requests[i])))
+    """Requests grouped so that all rows of a request share a batch, under a token budget."""
+    order = sorted(range(len(requests)), key=lambda i: -max(map(len, _rows(requests[i])[0])))
     batches, current, width, rows = [], [], 0, 0
     for i in order:
-        request_rows = _rows(requests[i])
-        new_width = max(width, max(len(t) for t, _, _ in request_rows))
+        request_rows = _rows(requests[i])[0]
+        new_width = max(width, max(map(len, request_rows)))
         if current and (rows + len(request_rows)) * new_width > budget:
             batches.append(current)
             current, width, rows = [], 0, 0
-            new_width = max(len(t) for t, _, _ in request_rows)
+            new_width = max(map(len, request_rows))
         current.append(i)
         width, rows = new_width, rows + len(request_rows)
     if current:
@@ -85,25 +94,28 @@ def _target(evaluator):
 
 def _batch_margins(evaluator, requests, margin, batch: list[int], gates: torch.Tensor) -> torch.Tensor:
     """M of each request in ``batch`` with every row's o_proj inputs scaled by its own ``gates`` [rows, layers, heads]
-    (1: kept, 0: ablated); one row per continuation, right padded (causal attention never sees a pad)."""
+    (1: kept, 0: ablated); the requests' distinct rows (:func:`_rows`) in order, right padded (causal attention never
+    sees a pad)."""
     lm, geometry = evaluator.lm, evaluator.lm.geometry
-    rows = [(i, *row) for i in batch for row in _rows(requests[i])]
-    width = max(len(tokens) for _, tokens, _, _ in rows)
-    ids = torch.full((len(rows), width), lm.tokenizer.pad_token_id, dtype=torch.long)
-    for r, (_, tokens, _, _) in enumerate(rows):
-        ids[r, :len(tokens)] = torch.tensor(tokens)
+    layouts = [_rows(requests[i]) for i in batch]
+    tokens = [row for rows, _ in layouts for row in rows]
+    ids = torch.full((len(tokens), max(map(len, tokens))), lm.tokenizer.pad_token_id, dtype=torch.long)
+    for r, row in enumerate(tokens):
+        ids[r, :len(row)] = torch.tensor(row)
     factors = {layer: gates[:, layer].repeat_interleave(geometry.head_dim, dim=-1) for layer in range(geometry.n_layers)}
     with scaled_head_outputs(lm.model, factors):
         hidden = base_model(lm.model)(input_ids=ids.to(lm.device)).last_hidden_state
-    per_request: dict[int, list[torch.Tensor]] = {}
-    for r, (i, _, targets, first) in enumerate(rows):
-        logits = unembed(lm.model, hidden[r, first:first + len(targets)])
-        per_request.setdefault(i, []).append(logits.to(torch.promote_types(logits.dtype, torch.float32)))
-    return torch.stack([margin(evaluator.task, requests[i], per_request[i]) for i in batch])
+    margins, offset = [], 0
+    for i, (rows, reads) in zip(batch, layouts):
+        logits = [unembed(lm.model, hidden[offset + r, first:first + len(targets)]) for r, targets, first in reads]
+        margins.append(margin(evaluator.task, requests[i],
+                              [x.to(torch.promote_types(x.dtype, torch.float32)) for x in logits]))
+        offset += len(rows)
+    return torch.stack(margins)
 
 
 def _row_counts(requests, batch: list[int]) -> list[int]:
-    return [len(requests[i].continuations) for i in batch]
+    return [len(_rows(requests[i])[0]) for i in batch]
 
 
 def gated_margins(evaluator, gates: torch.Tensor, token_budget: int = TOKEN_BUDGET) -> np.ndarray:
