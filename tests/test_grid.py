@@ -11,7 +11,7 @@ import pytest
 from cel_utils import config, grid
 from cel_utils.book.build import BookPaths, toc_dict
 from cel_utils.cli import main
-from cel_utils.grid.executors import start_order
+from cel_utils.grid.executors import prepare_models, start_order
 
 REPO = Path(__file__).resolve().parents[1]
 MIRROR = Path(os.environ.get("CEL_DATA_DIR") or REPO.parent / "shared" / "data")
@@ -58,6 +58,27 @@ def test_the_local_pool_starts_the_longest_measured_runs_first(tmp_path):
     assert order == [("cpu", "boolq", 0), ("cpu", "hellaswag", 0), ("cpu", "mbpp", 0), ("cpu", "arithmetic_1dc", 0),
                      ("smoke", "mbpp", 0), ("smoke", "mbpp", 1),
                      ("smoke", "arithmetic_2da", 0), ("smoke", "arithmetic_2da", 1)]
+
+
+def test_the_local_pool_dequantizes_each_gguf_model_once_before_its_workers_start(tmp_path, monkeypatch):
+    """Two cells of one GGUF model: one dequantization, before the workers (which would each make it at once); a spec
+    that is not a GGUF file reads nothing, and a missing file is left to fail in its own cell."""
+    import shutil
+
+    from cel_utils.models import loading
+
+    made = []
+    monkeypatch.setattr(loading, "dequantized_checkpoint", lambda path: made.append(path) or tmp_path)
+    model = tmp_path / "m.gguf"
+    shutil.copy(loading.embedded_gguf(), model)
+    cells = grid.plan([str(model), GOOD], ["boolq", "hellaswag"], [0], "smoke", runs_dir=tmp_path / "runs",
+                      results_dir=tmp_path / "results")
+    model.rename(tmp_path / "gone.gguf")
+    prepare_models(cells)
+    assert made == []  # the file is gone: its cells report it
+    (tmp_path / "gone.gguf").rename(model)
+    prepare_models(cells)
+    assert made == [model]
 
 
 def test_plan_applies_preset_and_overrides_and_validates_first(tmp_path):

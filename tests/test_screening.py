@@ -67,26 +67,44 @@ def test_attribution_per_item_is_each_items_own_gradient(discovery):
     np.testing.assert_allclose(one.per_item[0], result.per_item[2], rtol=1e-4, atol=1e-6)  # batching changes nothing
 
 
-def test_one_token_answers_share_one_row_and_the_same_numbers(tiny_models, data_dir, monkeypatch):
-    """BoolQ's " yes" and " no" read the same row (the context): one forward and backward per item, not two, and the
-    same per-item attribution and margin as with a row per answer."""
+def _attribution_row_per_answer(evaluator, request) -> tuple[np.ndarray, float]:
+    """Reference: each answer scored in a row of its own, the context written out in full (no packing, no sharing)."""
+    from cel_utils.models.plumbing import base_model, scaled_head_outputs, unembed
     from cel_utils.search import attribution
 
-    data = load_task_data("boolq", 6, 1, seed=0, data_dir=data_dir)
+    lm, geometry = evaluator.lm, evaluator.lm.geometry
+    _, margin = attribution._target(evaluator)
+    gates = torch.ones(geometry.n_layers, geometry.n_heads, requires_grad=True)
+    factors = {layer: gates[layer].repeat_interleave(geometry.head_dim)[None] for layer in range(geometry.n_layers)}
+    n, logits = len(request.context), []
+    with scaled_head_outputs(lm.model, factors):
+        for answer in request.continuations:
+            ids = torch.tensor([list(request.context) + list(answer[:-1])])
+            hidden = base_model(lm.model)(input_ids=ids).last_hidden_state[0]
+            logits.append(unembed(lm.model, hidden[n - 1:n - 1 + len(answer)]).float())
+    value = margin(evaluator.task, request, logits)
+    value.backward()
+    return -gates.grad.double().numpy(), float(value)
+
+
+@pytest.mark.parametrize("task", ["boolq", "hellaswag"])
+def test_an_item_is_one_row_with_the_numbers_of_a_row_per_answer(tiny_models, data_dir, task):
+    """BoolQ's one-token answers are read from one row (the context), HellaSwag's endings packed after one copy of the
+    context: one forward and backward per item, and the per-item attribution and margin of a row per answer."""
+    from cel_utils.search import attribution
+
+    data = load_task_data(task, 6, 1, seed=0, data_dir=data_dir)
     evaluator = EngineEvaluator(tiny_models["llama"], data.task, data.discovery, data.fewshot, progress=False)
-    assert [len(attribution._rows(r)[0]) for r in evaluator.requests] == [1] * 6
-    shared = head_attributions(evaluator)
-    rows = attribution._rows
-
-    def row_per_answer(request):
-        _, reads = rows(request)
-        return [list(request.context)] * len(reads), [(j, targets, first) for j, (_, targets, first) in enumerate(reads)]
-
-    monkeypatch.setattr(attribution, "_rows", row_per_answer)
-    separate = head_attributions(evaluator)
-    np.testing.assert_allclose(shared.per_item, separate.per_item, rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(shared.full_margins, separate.full_margins, rtol=1e-5, atol=1e-6)
-    assert np.abs(shared.per_item).max() > 0
+    rows = [attribution._row(r) for r in evaluator.requests]
+    # the context once, then what each answer adds: one row per item
+    assert [len(row.tokens) for row in rows] == [len(r.context) + sum(len(c) - 1 for c in r.continuations)
+                                                 for r in evaluator.requests]
+    result = head_attributions(evaluator)
+    for item, request in enumerate(evaluator.requests):
+        per_item, full_margin = _attribution_row_per_answer(evaluator, request)
+        np.testing.assert_allclose(result.per_item[item], per_item, rtol=1e-4, atol=1e-6)
+        assert result.full_margins[item] == pytest.approx(full_margin, rel=1e-5, abs=1e-6)
+    assert np.abs(result.per_item).max() > 0
 
 
 def test_mbpp_is_screened_by_the_reference_solutions_likelihood(tiny_models, data_dir):

@@ -16,9 +16,8 @@ engine skips the repeats without changing what is computed:
   the log-softmax normaliser is shared by both answers, so comparing logits decides exactly as comparing
   log-likelihoods.
 * **Shared contexts.** Multiple-choice answers that share a context are packed into one sequence: the
-  context once, then every answer, each answer attending to the context and to itself only (a block
-  attention mask) with position ids continuing from the context. That is the same computation as
-  scoring each (context, answer) pair alone, with the context done once instead of once per answer.
+  context once, then every answer, each answer attending to the context and to itself only
+  (:mod:`cel_utils.evaluation.layout`).
 * **Length batching.** Items are tokenized once, sorted by length and batched under a token budget, a
   new batch starting where padding would exceed ``MAX_PADDING`` of a row.
 
@@ -33,7 +32,6 @@ the shared few-shot prefix is computed once per head set and only from its lowes
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -41,12 +39,12 @@ import torch
 
 from cel_utils.evaluation.batching import length_batches
 from cel_utils.evaluation.evaluator import Evaluator, Intervention
+from cel_utils.evaluation.layout import Row, after_prefix, layout, row_inputs
 from cel_utils.evaluation.prefix import (MIN_SHARED_PREFIX, prefix_cache, prefix_states, shared_prefix_length,
                                         sliding_window)
 from cel_utils.models.ablation import ablated_rows, head_mask
 from cel_utils.models.heads import format_heads
 from cel_utils.models.plumbing import attention_taking_masks, base_model, capture_layer_outputs, start_at_layer, unembed
-from cel_utils.tasks.prompts import Request
 from cel_utils.tasks.scoring import ContinuationStats, Outcome, continuation_stats
 
 ENGINE_VERSION = "1"
@@ -57,62 +55,6 @@ MAX_PADDING = 0.25
 # The prefix's keys and values are copied into every row of a stacked forward: cap their memory.
 PREFIX_CACHE_BYTES = 256 * 2**20
 MIN_TOKEN_BUDGET = 256  # below this, an out-of-memory error is not a budget problem
-
-
-# --- Layouts: what one batch row holds and which positions are scored -------------------------------------
-
-@dataclass
-class _Row:
-    tokens: list[int]
-    positions: list[int] | None  # explicit position ids (packed choices), else 0..n-1
-    segments: list[tuple[int, int]]  # packed: [start, end) of each answer's tokens inside the row
-    context_len: int
-    scored: list[tuple[list[int], list[int]]]  # per continuation: (positions read, target token ids)
-
-
-def _layout(request: Request, shortcut: bool) -> _Row:
-    context = list(request.context)
-    n = len(context)
-    conts = [list(c) for c in request.continuations]
-    if shortcut:  # one position, the answers' vocabulary rows
-        return _Row(tokens=context, positions=None, segments=[], context_len=n,
-                    scored=[([n - 1], [c[0]]) for c in conts])
-    if len(conts) == 1:  # greedy match: context + target, teacher forced
-        cont = conts[0]
-        return _Row(tokens=context + cont[:-1], positions=None, segments=[], context_len=n,
-                    scored=[(list(range(n - 1, n - 1 + len(cont))), cont)])
-    tokens, positions, segments, scored = list(context), list(range(n)), [], []
-    for cont in conts:
-        start = len(tokens)
-        tokens += cont[:-1]
-        positions += list(range(n, n + len(cont) - 1))
-        segments.append((start, len(tokens)))
-        scored.append(([n - 1] + list(range(start, len(tokens))), cont))
-    return _Row(tokens=tokens, positions=positions, segments=segments, context_len=n, scored=scored)
-
-
-def _after_prefix(row: _Row, n: int) -> _Row:
-    """The part of a (non-packed) row after a shared prefix of ``n`` tokens, its scored positions shifted."""
-    return _Row(tokens=row.tokens[n:], positions=None, segments=[], context_len=row.context_len - n,
-                scored=[([p - n for p in positions], targets) for positions, targets in row.scored])
-
-
-def _block_mask(rows: list[_Row], width: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive 4D mask [rows, 1, width, width]: causal over the context, each answer sees the context and
-    itself. Padding positions see only themselves, so no softmax row is empty (no NaN)."""
-    allowed = torch.zeros(len(rows), width, width, dtype=torch.bool)
-    causal = torch.tril(torch.ones(width, width, dtype=torch.bool))
-    for r, row in enumerate(rows):
-        n = row.context_len
-        allowed[r, :n, :n] = causal[:n, :n]
-        for start, end in row.segments:
-            allowed[r, start:end, :n] = True
-            allowed[r, start:end, start:end] = causal[: end - start, : end - start]
-        for pad in range(len(row.tokens), width):
-            allowed[r, pad, pad] = True
-    mask = torch.zeros(allowed.shape, dtype=dtype)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[:, None]
 
 
 # --- The evaluator ----------------------------------------------------------------------------------------
@@ -133,10 +75,10 @@ class EngineEvaluator(Evaluator):
         if self.kind.loglikelihood:
             self.shortcut = (self.kind.compares_answers and self.task.metric == "acc"
                              and all(len(c) == 1 for r in self.requests for c in r.continuations))
-            self.rows = [_layout(r, self.shortcut) for r in self.requests]
+            self.rows = [layout(r, self.shortcut) for r in self.requests]
             self.prefix = self._shared_prefix()
             if self.prefix:
-                self.rows = [_after_prefix(row, len(self.prefix)) for row in self.rows]
+                self.rows = [after_prefix(row, len(self.prefix)) for row in self.rows]
             self.batches = self._make_batches()
 
     def _shared_prefix(self) -> tuple[int, ...]:
@@ -272,25 +214,15 @@ class EngineEvaluator(Evaluator):
             for r, stats in zip(batch, stored[labels[index]]):
                 per[index][r] = stats
 
-    def _inputs(self, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        width = max(len(row.tokens) for row in rows)
-        pad = self.lm.tokenizer.pad_token_id
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        for r, row in enumerate(rows):
-            ids[r, :len(row.tokens)] = torch.tensor(row.tokens)
-        positions = attn = None
-        if self.prefix:  # the rows continue after the shared prefix
-            positions = (torch.arange(width) + len(self.prefix)).expand(len(rows), -1).to(self.lm.device)
-        elif any(row.positions is not None for row in rows):  # packed answers need positions and a block mask
-            positions = torch.zeros((len(rows), width), dtype=torch.long)
-            for r, row in enumerate(rows):
-                positions[r, :len(row.tokens)] = torch.tensor(row.positions or list(range(len(row.tokens))))
-                positions[r, len(row.tokens):] = torch.arange(len(row.tokens), width)
-            attn = _block_mask(rows, width, self.lm.dtype).to(self.lm.device)
-            positions = positions.to(self.lm.device)
-        return ids.to(self.lm.device), positions, attn
+    def _inputs(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        ids, positions, attn = row_inputs(rows, self.lm.tokenizer.pad_token_id, self.lm.dtype)
+        if self.prefix:  # the rows continue after the shared prefix (prefixed rows are never packed)
+            positions = torch.arange(ids.shape[1]) + len(self.prefix)
+            positions = positions.expand(len(rows), -1)
+        device = self.lm.device
+        return ids.to(device), None if positions is None else positions.to(device), None if attn is None else attn.to(device)
 
-    def _collect(self, out: list, batch: list[int], rows: list[_Row], hidden: torch.Tensor) -> None:
+    def _collect(self, out: list, batch: list[int], rows: list[Row], hidden: torch.Tensor) -> None:
         """Unembed only the scored positions of the batch (one matmul) and turn them into statistics."""
         model, device = self.lm.model, hidden.device
         if self.shortcut:

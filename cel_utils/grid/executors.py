@@ -83,11 +83,24 @@ def start_order(cells: list[Cell]) -> list[Cell]:
     return sorted(cells, key=lambda cell: -(expected_minutes(cell.parameters["preset"], cell.parameters["task"]) or 0))
 
 
+def prepare_models(cells: list[Cell]) -> None:
+    """Dequantize each GGUF model of the grid once, before its workers start: workers that load it at the same moment
+    would each dequantize it (the default model: 28 s alone, about a minute each for two at once on 2 cores)."""
+    from cel_utils.models.loading import locate
+
+    for spec in sorted({cell.parameters["model"] for cell in cells}):
+        try:
+            locate(spec)  # a GGUF file: its cached checkpoint; any other spec: nothing is read
+        except (OSError, ValueError):
+            pass  # a bad spec fails in its own cell, with its own message
+
+
 def _run_pool(cells: list[Cell], jobs: int, skip_existing: bool, stream: bool, done: Callable) -> None:
     """``jobs`` worker processes; with GPUs, each worker gets its own (round robin when there are more workers)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
+    prepare_models(cells)
     context, gpus, setup = multiprocessing.get_context("spawn"), visible_gpus(), {}
     if gpus:
         queue = context.Queue()
