@@ -259,8 +259,8 @@ def check_setting(cls: type, name: str, value: Any) -> None:
 # quick: the run notebook's default, a few minutes on a laptop. smoke: seconds per cell with a random tiny model.
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "cpu": {
-        # Sized for `make book` (all four tasks, two at a time) in an hour on two cores; measured 1 h 8 min on a slow
-        # 2-core machine (README).
+        # Sized for `make book` (all four tasks, two at a time) in an hour on two cores; measured 46 min, an estimated
+        # 62-65 on the slowest 2-core machine seen (README).
         # The screen and m per task are the ones that froze exhaustive stage 1's set in benchmarks/bench_screening.py
         # (README, "Screened stage 1 against exhaustive search").
         # The random sets are scored on the holdout's first 125 items: 4 sets there cost half of 2 on all 500 and can
@@ -296,9 +296,9 @@ PRESET_TASKS = {"cpu": ("arithmetic_1dc", "boolq", "hellaswag", "mbpp"), "paper"
                 "quick": ("arithmetic_1dc", "boolq", "hellaswag", "mbpp"), "smoke": TASK_FAMILIES, "none": TASK_FAMILIES}
 
 
-# Minutes each cpu-preset run of the default model took in `make book`, two at a time (README; a slow 2-core machine).
+# Minutes each cpu-preset run of the default model took in `make book`, two at a time (README, at 61abcd7).
 # Only their order is used: the local pool starts the longest runs first (cel_utils.grid.executors.start_order).
-RUN_MINUTES = {"cpu": {"boolq": 44.5, "hellaswag": 40.1, "mbpp": 19.7, "arithmetic": 19.5}}
+RUN_MINUTES = {"cpu": {"boolq": 30.0, "hellaswag": 25.7, "mbpp": 14.4, "arithmetic": 13.8}}
 
 
 def resolve_preset(name: str = "auto") -> str:
