@@ -215,12 +215,10 @@ class EngineEvaluator(Evaluator):
                 per[index][r] = stats
 
     def _inputs(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        ids, positions, attn = row_inputs(rows, self.lm.tokenizer.pad_token_id, self.lm.dtype)
+        ids, positions, attn = row_inputs(rows, self.lm.tokenizer.pad_token_id, self.lm.dtype, self.lm.device)
         if self.prefix:  # the rows continue after the shared prefix (prefixed rows are never packed)
-            positions = torch.arange(ids.shape[1]) + len(self.prefix)
-            positions = positions.expand(len(rows), -1)
-        device = self.lm.device
-        return ids.to(device), None if positions is None else positions.to(device), None if attn is None else attn.to(device)
+            positions = (torch.arange(ids.shape[1], device=ids.device) + len(self.prefix)).expand(len(rows), -1)
+        return ids, positions, attn
 
     def _collect(self, out: list, batch: list[int], rows: list[Row], hidden: torch.Tensor) -> None:
         """Unembed only the scored positions of the batch (one matmul) and turn them into statistics."""

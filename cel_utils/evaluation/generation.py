@@ -22,10 +22,10 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from cel_utils.models.ablation import ablated, ablated_rows
-from cel_utils.models.heads import HeadId
 from cel_utils.evaluation.batching import length_batches
 from cel_utils.evaluation.prefix import MIN_SHARED_PREFIX, prefix_states, shared_prefix_length, sliding_window
+from cel_utils.models.ablation import ablated, ablated_rows
+from cel_utils.models.heads import HeadId
 from cel_utils.models.loading import LoadedModel
 from cel_utils.tasks.prompts import GenRequest
 from cel_utils.tasks.scoring import Outcome

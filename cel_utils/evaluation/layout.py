@@ -76,18 +76,18 @@ def block_mask(rows: list[Row], width: int, dtype: torch.dtype) -> torch.Tensor:
     return mask[:, None]
 
 
-def row_inputs(rows: list[Row], pad: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None,
-                                                                          torch.Tensor | None]:
+def row_inputs(rows: list[Row], pad: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Token ids [rows, width], right padded, and, where a row is packed, its position ids and the block mask
-    (otherwise None: the model's own causal mask and positions, which a right pad never affects)."""
+    (otherwise None: the model's own causal mask and positions, which a right pad never affects), on ``device``."""
     width = max(len(row.tokens) for row in rows)
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     for r, row in enumerate(rows):
         ids[r, :len(row.tokens)] = torch.tensor(row.tokens)
     if all(row.positions is None for row in rows):
-        return ids, None, None
+        return ids.to(device), None, None
     positions = torch.zeros((len(rows), width), dtype=torch.long)
     for r, row in enumerate(rows):
         positions[r, :len(row.tokens)] = torch.tensor(row.positions or list(range(len(row.tokens))))
         positions[r, len(row.tokens):] = torch.arange(len(row.tokens), width)
-    return ids, positions, block_mask(rows, width, dtype)
+    return ids.to(device), positions.to(device), block_mask(rows, width, dtype).to(device)

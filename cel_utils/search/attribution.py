@@ -82,13 +82,11 @@ def _batch_margins(evaluator, requests, margin, rows: list[Row], batch: list[int
     """M of each request in ``batch`` with its row's o_proj inputs scaled by its own ``gates`` [rows, layers, heads]
     (1: kept, 0: ablated); rows right padded (no real position attends to a pad)."""
     lm, geometry = evaluator.lm, evaluator.lm.geometry
-    ids, positions, attn = row_inputs([rows[i] for i in batch], lm.tokenizer.pad_token_id, lm.dtype)
+    ids, positions, attn = row_inputs([rows[i] for i in batch], lm.tokenizer.pad_token_id, lm.dtype, lm.device)
     factors = {layer: gates[:, layer].repeat_interleave(geometry.head_dim, dim=-1) for layer in range(geometry.n_layers)}
     masked = attention_taking_masks(lm.model) if attn is not None else nullcontext()
     with masked, scaled_head_outputs(lm.model, factors):
-        hidden = base_model(lm.model)(input_ids=ids.to(lm.device),
-                                      position_ids=None if positions is None else positions.to(lm.device),
-                                      attention_mask=None if attn is None else attn.to(lm.device)).last_hidden_state
+        hidden = base_model(lm.model)(input_ids=ids, position_ids=positions, attention_mask=attn).last_hidden_state
     margins = []
     for r, i in enumerate(batch):
         logits = [unembed(lm.model, hidden[r, read]) for read, _ in rows[i].scored]
