@@ -17,6 +17,7 @@ import time
 import torch
 
 from cel_utils.evaluation.engine import EngineEvaluator
+from cel_utils.hardware import machine_summary
 from cel_utils.models.ablation import ablated, zero_heads_in_weights
 from cel_utils.models.loading import load_model
 from cel_utils.tasks.splits import load_task_data
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     shots = {k: [int(x) for x in v.split(",")] for k, v in (item.split("=") for item in args.fewshot)}
 
     lm = load_model(args.model)
+    print(machine_summary())
     print(f"{lm.name}: hook vs weight surgery, max |logit difference| = {exactness(lm):.3g}", flush=True)
     print("\n| task | format | few-shot | items | accuracy | wall s |\n|---|---|---|---|---|---|")
     for task in args.tasks:

@@ -25,6 +25,7 @@ import torch
 
 from cel_utils.evaluation.engine import EngineEvaluator
 from cel_utils.evaluation.evaluator import NaiveEvaluator
+from cel_utils.hardware import machine_summary
 from cel_utils.models.loading import load_model
 from cel_utils.tasks.splits import load_task_data
 
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     lm = load_model(args.model, device=args.device)
     config = lm.model.config.get_text_config()
     flops_per_s = matmul_throughput(lm.device, lm.dtype, config.hidden_size, config.intermediate_size)
+    print(machine_summary())
     print(f"model {lm.name} on {lm.device} ({lm.dtype}), {lm.geometry.n_total} heads; "
           f"measured matmul throughput {flops_per_s / 1e9:.1f} GFLOP/s; threads {torch.get_num_threads()}")
     interventions = [()] + [(h,) for h in lm.geometry.all_heads()]

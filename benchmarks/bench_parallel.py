@@ -66,6 +66,9 @@ def main() -> None:
     (alone,) = run_workers(args, 1)
     together = run_workers(args, args.workers)
     rate_alone, rate_together = evaluations / alone, args.workers * evaluations / max(together)
+    from cel_utils.hardware import machine_summary
+
+    print(machine_summary())
     print(f"{args.task}, {args.n} items x {len(HEADS)} interventions x {args.repeats}, {os.cpu_count()} cores")
     print(f"one worker:      {alone:7.1f} s  {rate_alone:6.2f} item-evaluations/s")
     print(f"{args.workers} workers at once: {max(together):7.1f} s  {rate_together:6.2f} item-evaluations/s "

@@ -33,6 +33,7 @@ from cel_utils.config import RunConfig
 from cel_utils.evaluation.engine import EngineEvaluator
 from cel_utils.evaluation.outcomes import OutcomeTable
 from cel_utils.evaluation.store import EvalStore
+from cel_utils.hardware import machine_summary
 from cel_utils.models.loading import load_model
 from cel_utils.paths import atomic_write
 from cel_utils.search.algorithm import run_search
@@ -143,6 +144,7 @@ def main() -> None:
     out = Path(args.out)
     previous = {r["task"]: r for r in json.loads(out.read_text())} if out.exists() else {}
     lm = load_model()
+    print(machine_summary(), flush=True)  # the wall-time ratios below belong to this machine
     results = []
     for task in args.tasks:
         results.append(bench_task(lm, task, args.n_discovery, args.screens, args.keeps, args.p, args.k,

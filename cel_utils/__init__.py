@@ -3,6 +3,7 @@
 The subpackages are layers; each imports only from the ones above it in this list:
 
     checks, paths      one integer check, one way to write a file, one cache folder
+    hardware           the CPU's model and flags, native bf16 and its measured cost on a device
     models/            heads, model plumbing (the intervention site), ablation, loading, random test models
     tasks/             task specs, data and splits, prompts, decisions and metrics
     evaluation/        the task-kind registry, evaluators (naive and the exact engine), generation, store, sandbox

@@ -54,6 +54,23 @@ def alone_among_workers(request, tmp_path_factory):
         yield
 
 
+@pytest.fixture(params=["default-attention", "math-attention"])
+def attention_backend(request):
+    """The test twice: with PyTorch's own choice of attention kernel, and with the plain math kernel.
+
+    The CPU's fused kernels differ by machine (AVX2, AVX-512) and have computed silently wrong attention (a mask
+    of another dtype than the queries, torch 2.13): numerics-sensitive tests that pass under both kernels show
+    the package's numbers do not hang on a kernel, and a kernel difference fails one of the two on any machine.
+    """
+    if request.param == "default-attention":
+        yield request.param
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        yield request.param
+
+
 @pytest.fixture(scope="session")
 def data_dir() -> str:
     """The local data mirror (CI and this machine have ../shared/data; $CEL_DATA_DIR overrides)."""

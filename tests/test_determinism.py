@@ -36,6 +36,7 @@ def _stage1(lm, data, batch_size, token_budget, heads=None):
     return outcomes, rank([score(heads, out, outcomes[0]) for heads, out in zip(singles, outcomes[1:])])
 
 
+@pytest.mark.usefixtures("attention_backend")  # both attention kernels (the real-model twins below: the default)
 @pytest.mark.parametrize("task, num_fewshot", [("arithmetic", 1), ("boolq", 0), ("hellaswag", 0)])
 def test_stage1_is_the_same_at_any_batch_size_and_token_budget(tiny_models, data_dir, task, num_fewshot):
     lm = tiny_models["llama"]

@@ -133,15 +133,18 @@ def test_out_of_memory_halves_the_token_budget_and_keeps_the_decisions(tiny_mode
     assert engine.budget_halvings == [512] and engine.token_budget == 512
 
 
-def test_packed_answers_run_in_sdpa_when_the_kernel_takes_no_mask(tiny_models, task_data):
-    from cel_utils.models.plumbing import attention_taking_masks
-
+def test_packed_answers_run_in_sdpa_when_the_kernel_takes_no_mask(tiny_models, task_data, monkeypatch):
     from types import SimpleNamespace
+
+    from cel_utils.models import plumbing
 
     switched = []
     model = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
     model.set_attn_implementation = lambda name: switched.append(name) or setattr(model.config, "_attn_implementation", name)
-    with attention_taking_masks(model):  # as if loaded with flash attention (no CUDA here)
+    monkeypatch.setattr(plumbing, "attention_modules", lambda model: [])  # a stand-in model has no layers to check
+    with plumbing.attention_with_mask(model, None):  # no custom mask: the kernel is left alone
+        assert model.config._attn_implementation == "flash_attention_2"
+    with plumbing.attention_with_mask(model, torch.zeros(1, 1, 2, 2)):  # as if loaded with flash attention (no CUDA)
         assert model.config._attn_implementation == "sdpa"
     assert switched == ["sdpa", "flash_attention_2"]
     eager = tiny_models["llama"]

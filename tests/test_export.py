@@ -36,8 +36,7 @@ def biased_llama(tokenizer):
         for layer in model.model.layers:
             layer.self_attn.o_proj.bias.normal_(0, 0.5)
     return LoadedModel(model=model, tokenizer=tokenizer, geometry=head_geometry(model), spec="random:llama-bias:tiny",
-                       name="random-llama-bias-tiny", device=torch.device("cpu"), dtype=torch.float32,
-                       source={"kind": "random"})
+                       name="random-llama-bias-tiny", source={"kind": "random"})
 
 
 def test_exports_of_every_family_load_without_project_code_and_match_the_hook(tiny_models, biased_llama, tmp_path):

@@ -13,6 +13,9 @@ from cel_utils.search.attribution import gated_margins, head_attributions
 from cel_utils.search.screening import SCREENS, Screen, run_screen
 from cel_utils.tasks.splits import load_task_data
 
+# Numerics-sensitive (attribution, screens against exact search): every test under both attention kernels (conftest).
+pytestmark = pytest.mark.usefixtures("attention_backend")
+
 
 @pytest.fixture(scope="module")
 def discovery(tiny_models, data_dir):
@@ -144,3 +147,32 @@ def test_the_boundary_screen_evaluates_its_candidates_exactly_on_the_items_neare
     assert screen.to_json(4)["candidates"] == 5 and screen.to_json(4)["boundary_items"] == 3
     resampled = screen.view(np.array([0, 0, 1, 2, 3, 4, 5, 6]))
     assert set(resampled.order()[:5]) == set(screen.order()[:5])  # a resample re-ranks the same candidates
+
+
+@pytest.mark.parametrize("native, ratio", [(True, 0.25), (False, 3.0)])
+def test_the_bf16_screens_cost_is_the_bf16_time_ratio_measured_on_the_device(discovery, monkeypatch, native, ratio):
+    """No assumed speed: the screen's cost in float32 forwards scales by the measured ratio, and on a device without
+    bf16 units it says so and names the screens that are cheap there."""
+    import warnings
+
+    from cel_utils import hardware
+    from cel_utils.search import screening
+
+    monkeypatch.setattr(hardware, "native_bf16", lambda device: native)
+    monkeypatch.setattr(hardware, "bf16_time_ratio", lambda device: ratio)
+    evaluated = []  # the exact bf16 evaluations are the engine's, tested above: here only what they cost
+
+    def single_head_gains(evaluator, heads, desc):
+        evaluated.append(evaluator.lm.dtype)
+        return np.zeros((len(evaluator.items), len(heads)), int), 100.0
+
+    monkeypatch.setattr(screening, "_single_head_gains", single_head_gains)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        screen = run_screen("bf16", discovery)
+    assert evaluated == [torch.bfloat16] and discovery.lm.dtype == torch.float32  # on a bf16 copy of the model
+    assert screen.forward_equivalents == pytest.approx(100.0 * ratio)
+    said = [str(w.message) for w in caught if "bf16 units" in str(w.message)]
+    assert bool(said) == (not native)
+    if said:
+        assert "3.0x float32's time" in said[0] and "attribution and boundary screens" in said[0]

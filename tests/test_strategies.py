@@ -140,6 +140,7 @@ def evaluator(request, tiny_models, data_dir):
     return NaiveEvaluator(tiny_models["llama"], data.task, data.holdout, data.fewshot, progress=False)
 
 
+@pytest.mark.usefixtures("attention_backend")  # numerics-sensitive: both attention kernels
 def test_attribution_margins_are_the_tasks_decision_margins(evaluator):
     from cel_utils.search.attribution import head_attributions
 
@@ -150,6 +151,7 @@ def test_attribution_margins_are_the_tasks_decision_margins(evaluator):
     assert result.forward_equivalents == 3 * len(evaluator.items)
 
 
+@pytest.mark.usefixtures("attention_backend")  # numerics-sensitive: both attention kernels
 def test_a_gate_at_zero_is_the_ablation_and_the_gradient_is_the_slope(evaluator):
     from cel_utils.search.attribution import gated_margins, head_attributions
 

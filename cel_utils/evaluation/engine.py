@@ -31,7 +31,6 @@ the shared few-shot prefix is computed once per head set and only from its lowes
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Sequence
 
 import numpy as np
@@ -44,7 +43,7 @@ from cel_utils.evaluation.prefix import (MIN_SHARED_PREFIX, prefix_cache, prefix
                                         sliding_window)
 from cel_utils.models.ablation import ablated_rows, head_mask
 from cel_utils.models.heads import format_heads
-from cel_utils.models.plumbing import attention_taking_masks, base_model, capture_layer_outputs, start_at_layer, unembed
+from cel_utils.models.plumbing import attention_with_mask, base_model, capture_layer_outputs, start_at_layer, unembed
 from cel_utils.tasks.scoring import ContinuationStats, Outcome, continuation_stats
 
 ENGINE_VERSION = "1"
@@ -168,8 +167,7 @@ class EngineEvaluator(Evaluator):
             if not todo:
                 continue
             ids, positions, attn = self._inputs(rows)
-            masked = attention_taking_masks(self.lm.model) if attn is not None else nullcontext()
-            with masked, capture_layer_outputs(self.lm.model, wanted) as kept:
+            with attention_with_mask(self.lm.model, attn), capture_layer_outputs(self.lm.model, wanted) as kept:
                 clean = base_model(self.lm.model)(input_ids=ids, position_ids=positions, attention_mask=attn,
                                                   **self._prefix_kwargs(clean_prefix, len(batch))).last_hidden_state
             for layer, chunk in todo:
@@ -182,8 +180,7 @@ class EngineEvaluator(Evaluator):
                     state = kept[layer - 1].repeat(m, 1, 1) if layer > 0 else None
                     states = (prefix_states(self.lm, self.prefix, None, torch.stack([masks[i] for i in chunk]), m)
                               if self.prefix else None)
-                    masked = attention_taking_masks(self.lm.model) if attn is not None else nullcontext()
-                    with masked, ablated_rows(self.lm.model, row_masks, self.lm.geometry), \
+                    with attention_with_mask(self.lm.model, attn), ablated_rows(self.lm.model, row_masks, self.lm.geometry), \
                             start_at_layer(self.lm.model, layer, state):
                         hidden = base_model(self.lm.model)(
                             input_ids=ids.repeat(m, 1), attention_mask=None if attn is None else attn.repeat(m, 1, 1, 1),

@@ -28,7 +28,7 @@ from cel_utils.models.ablation import ablated, ablated_rows
 from cel_utils.models.heads import HeadId
 from cel_utils.models.loading import LoadedModel
 from cel_utils.tasks.prompts import GenRequest
-from cel_utils.tasks.scoring import Outcome
+from cel_utils.tasks.scoring import Outcome, at_least_float32
 
 
 # A prompt is padded to at most twice its own length (after the shared prefix), so that one long prompt does not widen
@@ -141,7 +141,7 @@ def _greedy(lm: LoadedModel, ids: torch.Tensor, mask: torch.Tensor, cache, heads
         for step in range(max_new_tokens):
             logits = lm.model(input_ids=ids.to(device), attention_mask=mask, position_ids=positions.to(device),
                               cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-            tokens = logits.float().argmax(-1).tolist()
+            tokens = at_least_float32(logits).argmax(-1).tolist()
             for slot, (row, token) in enumerate(zip(slots, tokens)):
                 if running[slot]:
                     answers[row].append(token)

@@ -34,15 +34,10 @@ def head_mask(heads: Iterable[HeadId], geometry: HeadGeometry) -> torch.Tensor:
     return mask
 
 
-def _keep_factors(layer_mask: torch.Tensor, head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Expand a [..., n_heads] ablation mask to multiplicative factors over the o_proj input features."""
-    keep = (~layer_mask).to(dtype).repeat_interleave(head_dim, dim=-1)
-    return keep.to(device)
-
-
-def _param_dtype_device(model: nn.Module) -> tuple[torch.dtype, torch.device]:
-    param = next(model.parameters())
-    return param.dtype, param.device
+def _keep_factors(layer_mask: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Expand a [..., n_heads] ablation mask to multiplicative factors (1.0 kept, 0.0 ablated) over the o_proj input
+    features; :func:`cel_utils.models.plumbing.scaled_head_outputs` puts them in their projection's dtype and device."""
+    return (~layer_mask).to(torch.float32).repeat_interleave(head_dim, dim=-1)
 
 
 @contextmanager
@@ -50,8 +45,7 @@ def ablated(model: nn.Module, heads: Iterable[HeadId], geometry: HeadGeometry | 
     """Zero-ablate ``heads`` for every row and position inside the block."""
     geometry = geometry or head_geometry(model)
     mask = head_mask(heads, geometry)
-    dtype, device = _param_dtype_device(model)
-    factors = {layer: _keep_factors(mask[layer], geometry.head_dim, dtype, device)
+    factors = {layer: _keep_factors(mask[layer], geometry.head_dim)
                for layer in range(geometry.n_layers) if mask[layer].any()}
     with scaled_head_outputs(model, factors):
         yield
@@ -64,8 +58,7 @@ def ablated_rows(model: nn.Module, masks: torch.Tensor, geometry: HeadGeometry |
     expected = (geometry.n_layers, geometry.n_heads)
     if masks.dim() != 3 or tuple(masks.shape[1:]) != expected:
         raise ValueError(f"per-row head masks must have shape [rows, {expected[0]}, {expected[1]}], got {tuple(masks.shape)}")
-    dtype, device = _param_dtype_device(model)
-    factors = {layer: _keep_factors(masks[:, layer], geometry.head_dim, dtype, device)
+    factors = {layer: _keep_factors(masks[:, layer], geometry.head_dim)
                for layer in range(geometry.n_layers) if masks[:, layer].any()}
     with scaled_head_outputs(model, factors):
         yield

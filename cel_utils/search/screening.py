@@ -19,8 +19,9 @@ Screens (``SCREENS``):
   ranked by the paper's key on those items; the other heads follow in attribution-flips order. On 128 arithmetic items
   (80 candidates, 16 items) this recovered the exact top 10 within its top 15 at about a tenth of exhaustive stage 1's
   cost (``benchmarks/bench_screening.py``).
-* ``bf16`` -- exact single-head evaluation in bfloat16 (about half the cost of float32 on a CPU, all heads), ranked
-  by the paper's key on those outcomes (gain, then harm).
+* ``bf16`` -- exact single-head evaluation in bfloat16 (all heads), ranked by the paper's key on those outcomes (gain,
+  then harm). Cheaper than float32 only where the device has bf16 units (:mod:`cel_utils.hardware`): its cost is
+  counted at the bf16 / fp32 time ratio measured on the device, and on a CPU without bf16 units it warns.
 
 Every screen keeps its per-item numbers, so a resampled discovery set (the stability analysis) is screened again by
 indexing them (:meth:`Screen.view`), with no new pass; a boundary screen re-ranks its candidates on the boundary items
@@ -160,14 +161,24 @@ def _boundary_screen(flips: Screen, evaluator, candidates: int, items: int) -> S
 
 
 def _bf16_screen(evaluator, heads: list[HeadId]) -> Screen:
+    import copy
+    import warnings
+
     import torch
 
-    import copy
+    from cel_utils.hardware import bf16_time_ratio, cpu_info, native_bf16
 
-    lm = dataclasses.replace(evaluator.lm, model=copy.deepcopy(evaluator.lm.model).to(torch.bfloat16), dtype=torch.bfloat16)
+    device = evaluator.lm.device
+    ratio = bf16_time_ratio(str(device))  # measured here: the screen's cost in float32 forwards follows from it
+    if not native_bf16(device):
+        where = cpu_info()["model"] if device.type == "cpu" else str(device)
+        warnings.warn(f"the bf16 screen runs on {where}, which has no bf16 units: a bf16 matmul took {ratio:.1f}x "
+                      "float32's time here, so this screen costs more than exact float32 stage 1; the attribution and "
+                      "boundary screens are the cheap ones on this machine", stacklevel=3)
+    lm = dataclasses.replace(evaluator.lm, model=copy.deepcopy(evaluator.lm.model).to(torch.bfloat16))
     per_item, cost = _single_head_gains(_same_evaluator(evaluator, lm=lm, store=None), heads,
                                         f"bf16 screen: {len(heads)} heads")
-    return Screen("bf16", heads, per_item, None, cost / 2)  # bfloat16 runs about twice as fast as float32
+    return Screen("bf16", heads, per_item, None, cost * ratio)
 
 
 def _single_head_gains(evaluator, heads: list[HeadId], desc: str) -> tuple[np.ndarray, float]:

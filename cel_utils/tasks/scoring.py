@@ -118,9 +118,14 @@ def relative_error_reduction(full_pct: float, ablated_pct: float) -> float:
     return 100.0 * (ablated_pct - full_pct) / (100.0 - full_pct)
 
 
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32, or kept in a wider dtype: bf16 logits are scored in float32, a float64 model's in float64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def continuation_stats(logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, bool, float]:
     """``logits`` [n, vocab] at the positions that predict ``targets`` [n]."""
-    logits = logits.float()
+    logits = at_least_float32(logits)
     logprobs = torch.log_softmax(logits, dim=-1)
     target_lp = logprobs.gather(-1, targets[:, None])[:, 0]
     target_logit = logits.gather(-1, targets[:, None])[:, 0]
