@@ -13,10 +13,12 @@ class XorEvaluator:
     """Item i is correct under an intervention iff base[i] XOR the heads' flip masks; margins are +-1, shifted
     by a per-head amount when ``shifts`` gives one; records every call."""
 
-    def __init__(self, base, flips, shifts=None, geometry=GEOMETRY, first_item: int = 0):
+    def __init__(self, base, flips, shifts=None, geometry=GEOMETRY, first_item: int = 0, indices=None):
+        """``indices``: the items' numbers (ids ``i{j}``), default ``first_item`` onwards."""
         self.lm = SimpleNamespace(geometry=geometry)
         self.base, self.flips, self.shifts, self.calls = np.asarray(base, bool), flips, shifts or {}, []
-        self.items = [SimpleNamespace(id=f"i{j}") for j in range(first_item, first_item + len(self.base))]
+        numbers = range(first_item, first_item + len(self.base)) if indices is None else indices
+        self.items = [SimpleNamespace(id=f"i{j}") for j in numbers]
 
     def evaluate(self, interventions, desc=None):
         interventions = [head_set(i) for i in interventions]

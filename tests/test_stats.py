@@ -3,6 +3,7 @@
 Everything here runs on synthetic evaluators whose per-item answers are known in advance (no model).
 """
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +24,8 @@ from cel_utils.stats.significance import (
     random_head_sets,
     selection_frequencies,
 )
+
+REPO = Path(__file__).resolve().parents[1]
 from cel_utils.tasks.scoring import Outcome
 
 
@@ -184,25 +187,33 @@ def test_assess_run_end_to_end_on_synthetic_data():
     assert off["null"] is None and off["stability"] is None
 
 
-def test_a_null_on_the_holdouts_first_items_is_the_null_of_a_holdout_of_those_items():
+def test_a_null_on_a_seeded_random_subset_of_the_holdout_is_the_null_of_a_holdout_of_those_items():
+    from cel_utils.stats.reliability import null_item_indices
+
     search, holdout, discovery, holdout_eval, flips_h = _synthetic_run()
     kwargs = dict(n_random_sets=15, n_resamples=4, resample="bootstrap", seed=5)
     whole = assess_run(search, holdout, discovery, holdout_eval, **kwargs)
+    indices = null_item_indices(50, 20, seed=5)
+    # a random subset (not the holdout's first items, which need not be a random sample), seeded, in holdout order
+    assert len(set(indices)) == 20 and list(indices) == sorted(indices) and list(indices) != list(range(20))
+    assert np.array_equal(null_item_indices(50, 20, seed=5), indices)
+    assert not np.array_equal(null_item_indices(50, 20, seed=6), indices)
 
-    def first(n: int, start: int = 0) -> XorEvaluator:
-        return XorEvaluator(np.zeros(n, bool), {h: m[start:start + n] for h, m in flips_h.items()}, first_item=start)
+    def subset(numbers) -> XorEvaluator:
+        return XorEvaluator(np.zeros(len(numbers), bool), {h: m[numbers] for h, m in flips_h.items()}, indices=numbers)
 
-    null_eval = first(20)
-    part = assess_run(search, holdout, discovery, first(50), **kwargs, null_evaluator=null_eval)
+    null_eval = subset(indices)
+    part = assess_run(search, holdout, discovery, holdout_eval, **kwargs, null_evaluator=null_eval, null_indices=indices)
     assert len(null_eval.calls) == 1 and len(null_eval.calls[0]) == 15  # only the random sets: the rest is sliced
-    short = first(20)
+    short = subset(indices)
     alone = assess_run(search, evaluate_holdout(short, search.frozen), discovery, short, **{**kwargs, "n_resamples": 0})
-    assert part["null"] == {**alone["null"], "n_items": 20}
+    assert part["null"] == {**alone["null"], "n_items": 20, "item_indices": indices.tolist()}
     assert part["null"]["selected_gain_points"] != whole["null"]["selected_gain_points"]  # compared on the 20 items
     assert part["stability"] == whole["stability"]  # the resampled selections are still scored on the whole holdout
     assert part["cost"]["null_evaluations"] == 15
-    with pytest.raises(ValueError, match="the first items of the holdout"):
-        assess_run(search, holdout, discovery, holdout_eval, **kwargs, null_evaluator=first(20, start=5))
+    with pytest.raises(ValueError, match="the holdout items at null_indices"):
+        assess_run(search, holdout, discovery, holdout_eval, **kwargs, null_evaluator=subset(indices + 1),
+                   null_indices=indices)
 
 
 def test_take_keeps_every_field():
@@ -213,6 +224,38 @@ def test_take_keeps_every_field():
 
 
 # --- what the results page and the run page show ---------------------------------------------------------------------
+
+def test_the_results_page_places_the_papers_gains_against_each_runs_interval_and_discloses_the_looks(tmp_path):
+    from test_report import make_artifact
+
+    from cel_utils.book import results_page
+    from cel_utils.book.facts import PAPER_TABLE
+
+    paper = results_page.read_paper_table(REPO / PAPER_TABLE)
+    artifact = make_artifact(task="boolq", full=0.4, ablated=0.42, n_items=500)
+    artifact["reliability"] = {"significance": {"gain_points": 2.0, "ci_low": -0.5, "ci_high": 2.4, "p_value": 0.09,
+                                                "confidence": 0.95}}
+    page = results_page.results_markdown([artifact], paper)
+    # BoolQ's printed gains: SmolLM3 +2.35 (inside [-0.5, +2.4]), Qwen2.5 +2.14 (inside), Llama +2.54 (above)
+    assert ("SmolLM3-3B +2.35 (inside); Qwen2.5-3B-Instruct +2.14 (inside); Llama-3.2-3B-Instruct +2.54 (above)"
+            in page)
+    assert results_page.paper_gains_against("arithmetic_1dc", -2.0, 1.0, paper).endswith(
+        "(the paper pools ten arithmetic configs)")
+    assert "How often these holdouts were looked at" in page and "after an earlier main job had scored" in page
+
+
+def test_a_calibration_baseline_that_failed_on_the_holdout_is_not_a_baseline_beaten():
+    from cel_utils.book.results_page import calibration_text
+
+    versus = {"gain_points": 7.4, "p_value": 0.00064}
+    assert calibration_text({"n_groups": 4, "holdout_gain_points": -5.8, "ablation_vs_calibration": versus}) == \
+        "-5.8: fails on the holdout (the full model is the baseline)"
+    assert calibration_text({"n_groups": 1, "holdout_gain_points": 0.0, "ablation_vs_calibration": versus}).startswith(
+        "none: no offsets helped")
+    assert calibration_text({"n_groups": 2, "holdout_gain_points": 19.2,
+                             "ablation_vs_calibration": {"gain_points": -8.4, "p_value": 0.0044}}) == \
+        "+19.2 (ablation - calibration -8.4, p = 0.004)"
+
 
 def test_results_page_shows_interval_p_value_null_and_stability(tmp_path):
     from test_report import make_artifact
@@ -244,7 +287,7 @@ def test_results_page_shows_interval_p_value_null_and_stability(tmp_path):
     write_json(tmp_path / "results" / "new.json", new)
     page = results_page.write_results_page(tmp_path / "results", tmp_path / "results.md").read_text()
     assert "| boolq (acc) | 50.0 -> 75.0 (+25.0), 50.0%, 95% CI [-2.5, +50.0], p = 0.012 |" in page
-    assert "## Is the gain real?" in page and "100th pct of 4 (p = 0.20)" in page and "+50.0 -> +25.0" in page
+    assert "## Is the gain real?" in page and "100th pct of 4 (p = 0.20, the smallest 4 sets allow)" in page and "+50.0 -> +25.0" in page
     assert "75% of 4, Jaccard 0.75, holdout gains +12.5 .. +25.0" in page
     assert "p = 0.50" in page  # the old artifact: recomputed
 

@@ -54,6 +54,8 @@ def preset_facts() -> dict[str, str]:
         facts[f"{preset}_resamples"] = _span([c.n_resamples for c in configs])
         facts[f"{preset}_p"] = _span([c.p for c in configs])
         facts[f"{preset}_k"] = _span([c.k for c in configs])
+        sets = max(c.n_random_sets for c in configs)  # the null's smallest p-value, where it runs
+        facts[f"{preset}_null_sets"], facts[f"{preset}_null_min_p"] = str(sets), f"{1 / (sets + 1):.2g}"
     return facts
 
 
@@ -82,14 +84,17 @@ MCNEMAR_EXAMPLES = ((13, 0), (40, 27), (5, 0))
 
 
 def statistics_facts() -> dict[str, str]:
-    """p-values of the McNemar examples, the bootstrap's resample count and the heat map's clipping, as the code has them."""
+    """p-values of the McNemar examples, the bootstrap's resample count, the heat map's clipping and the calibration's
+    folds, as the code has them."""
     from scipy.stats import binomtest
 
     from cel_utils.stats.significance import N_BOOTSTRAP
 
     from cel_utils.book.interactive import CLIP_QUANTILE
+    from cel_utils.stats.calibration import N_FOLDS
 
-    facts = {"bootstrap_resamples": f"{N_BOOTSTRAP:,}", "heatmap_clip_pct": f"{100 * CLIP_QUANTILE:g}"}
+    facts = {"bootstrap_resamples": f"{N_BOOTSTRAP:,}", "heatmap_clip_pct": f"{100 * CLIP_QUANTILE:g}",
+             "calibration_folds": str(N_FOLDS)}
     for helped, harmed in MCNEMAR_EXAMPLES:
         facts[f"mcnemar_{helped}_{harmed}"] = f"{binomtest(helped, helped + harmed, 0.5).pvalue:.2g}"
     return facts

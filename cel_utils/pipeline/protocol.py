@@ -21,7 +21,7 @@ from cel_utils.pipeline.examples import flip_examples
 from cel_utils.search.algorithm import HoldoutResult, SearchResult, check_search_params, evaluate_holdout, run_search
 from cel_utils.search.screening import run_screen
 from cel_utils.stats.calibration import calibration_baseline
-from cel_utils.stats.reliability import assess_run
+from cel_utils.stats.reliability import assess_run, null_item_indices
 from cel_utils.tasks.prompts import resolve_bos
 from cel_utils.tasks.splits import TaskData, load_task_data
 
@@ -93,12 +93,13 @@ def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool | s
     start = time.perf_counter()
     calibration = calibration_baseline(data.task.calibration, discovery.requests, search.full, holdout_evaluator.requests,
                                        holdout.full, holdout.ablated, seed=config.seed)
-    null_evaluator = (make_evaluator(lm, data, data.holdout[:config.null_items], config, progress, store)
-                      if config.n_random_sets and config.null_items is not None and config.null_items < len(data.holdout)
-                      else None)
+    null_indices = null_evaluator = None
+    if config.n_random_sets and config.null_items is not None and config.null_items < len(data.holdout):
+        null_indices = null_item_indices(len(data.holdout), config.null_items, config.seed)
+        null_evaluator = make_evaluator(lm, data, [data.holdout[i] for i in null_indices], config, progress, store)
     reliability = assess_run(search, holdout, discovery, holdout_evaluator, n_random_sets=config.n_random_sets,
                              n_resamples=config.n_resamples, resample=config.resample, seed=config.seed,
-                             calibration=calibration, null_evaluator=null_evaluator)
+                             calibration=calibration, null_evaluator=null_evaluator, null_indices=null_indices)
     timings["reliability_s"] = time.perf_counter() - start
     timings.update(reliability.pop("timings", None) or {})  # volatile: to the run info, not the artifact
 

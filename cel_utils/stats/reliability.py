@@ -7,9 +7,9 @@
 2. **winner's curse** (free): discovery gain minus holdout gain of the frozen set. The search picked the best
    of hundreds of interventions on the discovery items, so its discovery gain is biased upwards;
 3. **random-set null** (``n_random_sets`` holdout evaluations): the holdout gains of random head sets of the
-   frozen set's size, and where the frozen set's gain falls among them. They may be scored on the first items of
-   the holdout only (a seeded random draw, so its first items are a random subset); the frozen set is then compared
-   on the same items, from the per-item outcomes the holdout already has;
+   frozen set's size, and where the frozen set's gain falls among them. They may be scored on a seeded random subset
+   of the holdout only (:func:`null_item_indices`; a random subset whatever order the holdout's items come in); the
+   frozen set is then compared on the same items, from the per-item outcomes the holdout already has;
 4. **stability** (``n_resamples`` reruns of Algorithm 1): the whole selection is rerun on resampled discovery
    sets (``bootstrap``: n items drawn with replacement; ``halves``: pairs of complementary random halves, so
    consecutive selections come from disjoint items). Per-item outcomes on the discovery set are
@@ -46,8 +46,17 @@ from cel_utils.stats.significance import (
     selection_frequencies,
 )
 
-# Independent random streams per use, all derived from the run's seed (stats.CI_STREAM = 101 for the interval).
-_NULL_STREAM, _RESAMPLE_STREAM = 102, 103
+# Independent random streams per use, all derived from the run's seed (stats.CI_STREAM = 101 for the interval,
+# calibration.CV_STREAM = 104 for its folds).
+_NULL_STREAM, _RESAMPLE_STREAM, _NULL_ITEMS_STREAM = 102, 103, 105
+
+
+def null_item_indices(n_holdout: int, n_items: int, seed: int = 0) -> np.ndarray:
+    """Which holdout items (sorted indices) the random-set null is scored on: a seeded random subset of ``n_items``.
+
+    Drawn here, not taken as the holdout's first items: with a train split the holdout is the validation split in
+    dataset order, whose first items are not a random sample."""
+    return np.sort(np.random.default_rng([seed, _NULL_ITEMS_STREAM]).choice(n_holdout, n_items, replace=False))
 
 
 def resample_indices(n_items: int, n_resamples: int, method: str = "bootstrap", seed: int = 0) -> list[np.ndarray]:
@@ -103,15 +112,13 @@ def resampled_searches(discovery: OutcomeTable, p: int, k: int, indices: list[np
                        keep=keep) for idx in indices]
 
 
-def _first_items(evaluator: Evaluator, holdout: HoldoutResult, frozen) -> OutcomeTable:
-    """A table over the holdout's first ``len(evaluator.items)`` items that already knows the full model's and the
-    frozen set's outcomes there (sliced from the holdout's, no evaluation)."""
-    n = len(evaluator.items)
+def _holdout_subset(evaluator: Evaluator, holdout: HoldoutResult, frozen, indices: np.ndarray) -> OutcomeTable:
+    """A table over the holdout items at ``indices`` (``evaluator`` evaluates exactly those, in that order) that already
+    knows the full model's and the frozen set's outcomes there (sliced from the holdout's, no evaluation)."""
     ids = [item.id for item in evaluator.items]
-    if ids != list(holdout.full.item_ids[:n]):
-        raise ValueError("the null's evaluator must evaluate the first items of the holdout, in the holdout's order")
-    first = np.arange(n)
-    return OutcomeTable(evaluator, known={(): take(holdout.full, first), frozen: take(holdout.ablated, first)})
+    if ids != [holdout.full.item_ids[i] for i in indices]:
+        raise ValueError("the null's evaluator must evaluate the holdout items at null_indices, in the holdout's order")
+    return OutcomeTable(evaluator, known={(): take(holdout.full, indices), frozen: take(holdout.ablated, indices)})
 
 
 def _quantiles(values) -> dict[str, float]:
@@ -124,14 +131,15 @@ def _quantiles(values) -> dict[str, float]:
 
 def assess_run(search: SearchResult, holdout: HoldoutResult, discovery: OutcomeTable | Evaluator,
                holdout_evaluator: Evaluator, *, n_random_sets: int, n_resamples: int, resample: str = "bootstrap",
-               seed: int = 0, calibration: dict | None = None, null_evaluator: Evaluator | None = None) -> dict:
+               seed: int = 0, calibration: dict | None = None, null_evaluator: Evaluator | None = None,
+               null_indices: np.ndarray | None = None) -> dict:
     """Significance, winner's curse, random-set null and stability of one run, as the artifact stores them.
 
     ``calibration`` is the run's calibration baseline (:func:`cel_utils.stats.calibration.calibration_baseline`), stored
     and weighed in the verdict. ``discovery`` should be the table the search ran on (then only the resampled pools' new subsets cost
     anything); a plain evaluator is wrapped, and then stage 1 is evaluated again. ``null_evaluator``, if given,
-    evaluates the first items of the holdout, and the random sets are scored on those only (default: the whole
-    holdout).
+    evaluates the holdout items at ``null_indices`` (:func:`null_item_indices`), and the random sets are scored on
+    those only (default: the whole holdout).
     """
     timings: dict[str, float] = {}
     start = time.perf_counter()
@@ -160,7 +168,7 @@ def assess_run(search: SearchResult, holdout: HoldoutResult, discovery: OutcomeT
                                  exclude=[frozen]) if n_random_sets else []
     selections = [s.frozen for s in searches]
     held = OutcomeTable(holdout_evaluator, known={(): holdout.full, frozen: holdout.ablated})
-    null_table = held if null_evaluator is None else _first_items(null_evaluator, holdout, frozen)
+    null_table = held if null_evaluator is None else _holdout_subset(null_evaluator, holdout, frozen, null_indices)
     if null_table is held:  # one batched call, as before null_evaluator existed
         held.evaluate(null_sets + selections, desc="holdout: random sets and resampled selections")
     else:
@@ -179,6 +187,7 @@ def assess_run(search: SearchResult, holdout: HoldoutResult, discovery: OutcomeT
                           **null_position(selected, gains), "quantiles": _quantiles(gains)}
         if null_table is not held:  # only then, so that artifacts of whole-holdout nulls keep their bytes
             result["null"]["n_items"] = len(null_table.items)
+            result["null"]["item_indices"] = [int(i) for i in null_indices]
     if searches:
         head_freq, set_freq = selection_frequencies(selections)
         holdout_gains = [holdout_gain(s) for s in selections]
