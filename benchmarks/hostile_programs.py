@@ -5,13 +5,16 @@
 Each program would pass its test if its attack worked (its test checks the damage, or is `assert True` after an
 attack that raises when refused), so every row must end as something other than "passed". The attacks on files
 aim at a sentinel file that this script writes into a fresh folder under --target (default: your home), a file
-you own outside the sandbox's working directory; the network attack at a listener this script opens on
-127.0.0.1. Afterwards the script checks that the sentinel is unchanged, nothing new appeared beside it, nothing
-connected, and (run as an ordinary user) that none of the programs left a process behind. One honest program
-runs first as a control: it must pass, or "not passed" below would mean nothing.
+you own outside the sandbox's working directory; the network attacks at listeners this script opens: on
+127.0.0.1, on a Unix socket beside the sentinel (a network namespace does not hide sockets at paths, and a
+read-only mount does not stop connect()) and on an abstract Unix socket (shared wherever the network namespace is
+not new). Afterwards the script checks that the sentinel is unchanged, nothing new appeared beside it, no
+listener got a connection, and (run as an ordinary user) that none of the programs left a process behind. One
+honest program runs first as a control: it must pass, or "not passed" below would mean nothing.
 
 The last row, a FIFO planted beside the sentinel, is the one attack the audit hook cannot see (os.mkfifo raises
-no audit event): only kernel layers stop it, so it passes where the sandbox has none of them (see the warning).
+no audit event): only kernel layers stop it, so it passes where the sandbox has none of them (see the warning);
+there the sandbox refuses to run anything unless CEL_SANDBOX_UNISOLATED=allow is set, and this script stops.
 Exit status 0 when no hostile program passed and every check held. tests/test_sandbox.py asserts most of these
 programs in detail as root; tests/test_sandbox_unprivileged.py runs this script as an ordinary user.
 """
@@ -28,16 +31,18 @@ import time
 import warnings
 from pathlib import Path
 
-from cel_utils.evaluation.sandbox import SandboxWarning, isolation_report, run_program
+from cel_utils.evaluation.sandbox import SandboxWarning, UnisolatedSandboxError, isolation_report, run_program
 
 WRONG_ADD = "def add(a, b):\n    return 0\n"
 ADD_TESTS = ["assert add(1, 2) == 3"]
 CONTROL = ("control: an honest add", "def add(a, b):\n    return a + b\n", ADD_TESTS)
 HOOK_BLIND = "plant a FIFO beside it (no audit event)"
+Program = tuple[str, str, list[str]]  # name, program, tests
 
 
-def hostile_programs(sentinel: Path, port: int) -> list[tuple[str, str, list[str]]]:
-    """(name, program, tests) for each attack; `sentinel` is the file to attack, `port` a listener to reach."""
+def hostile_programs(sentinel: Path, port: int, unix_path: str, abstract: str) -> list[Program]:
+    """(name, program, tests) for each attack; `sentinel` is the file to attack, `port` a listener to reach, and
+    `unix_path` and `abstract` (its name, without the leading NUL) Unix-socket listeners to reach."""
     target, planted, fifo = str(sentinel), str(sentinel.parent / "planted"), str(sentinel.parent / "fifo")
     ok = ["assert True"]
 
@@ -55,6 +60,8 @@ def hostile_programs(sentinel: Path, port: int) -> list[tuple[str, str, list[str
         ("print gigabytes", "import sys\nwhile True:\n    sys.stdout.write('x' * (1 << 20))\n", ok),
         ("connect to a local listener", "import socket\n"
          f"s = socket.create_connection(('127.0.0.1', {port}), timeout=1)\ns.sendall(b'pwned')\n", ok),
+        ("connect to a Unix socket in your home", unix_connect(unix_path), ok),
+        ("connect to an abstract Unix socket", unix_connect("\0" + abstract), ok),
         ("overwrite a file you own", f"open({target!r}, 'w').write('pwned')\n",
          [f"assert open({target!r}).read() == 'pwned'"]),
         ("delete a file you own", f"import os\nos.remove({target!r})\n", exists(target, negate=True)),
@@ -75,6 +82,28 @@ def hostile_programs(sentinel: Path, port: int) -> list[tuple[str, str, list[str
          "sys.settrace(t)\n", ADD_TESTS),
         (HOOK_BLIND, f"import os\nos.mkfifo({fifo!r})\n", exists(fifo)),
     ]
+
+
+def unix_connect(address: str) -> str:
+    return f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({address!r})\ns.sendall(b'pwned')\n"
+
+
+def unix_listener(address: str) -> socket.socket:
+    """A listening Unix socket at `address` (a path, or "\\0name" for the abstract namespace), not blocking."""
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(address)
+    listener.listen()
+    listener.setblocking(False)
+    return listener
+
+
+def connected(listener: socket.socket) -> bool:
+    """Whether anything connected to this non-blocking listener."""
+    try:
+        listener.accept()[0].close()
+        return True
+    except BlockingIOError:
+        return False
 
 
 def own_processes() -> set[int]:
@@ -101,28 +130,28 @@ def run_suite(target_root: Path, timeout_s: float) -> dict:
     listener.bind(("127.0.0.1", 0))
     listener.listen()
     listener.setblocking(False)
+    unix_path, abstract = str(folder / "listener.sock"), f"cel-hostile-{os.getpid()}-{os.urandom(4).hex()}"
+    listeners = {"tcp": listener, "unix": unix_listener(unix_path), "abstract": unix_listener("\0" + abstract)}
     before = own_processes()
     rows = []
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", SandboxWarning)
-            for name, program, tests in [CONTROL, *hostile_programs(sentinel, listener.getsockname()[1])]:
+            attacks = hostile_programs(sentinel, listener.getsockname()[1], unix_path, abstract)
+            for name, program, tests in [CONTROL, *attacks]:
                 r = run_program(program, tests, timeout_s=timeout_s, memory_mb=256, cache=False)
                 time.sleep(0.1)  # a process that outlives the run has had time to show up
                 rows.append({"program": name, "status": r.status, "passed": r.passed, "seconds": r.duration_s,
                              "protections": list(r.protections), "left_behind": len(own_processes() - before),
                              "note": r.stderr.splitlines()[-1] if r.stderr else ""})
             report = isolation_report()
-        try:
-            listener.accept()
-            connected = True
-        except BlockingIOError:
-            connected = False
         checks = {"sentinel_untouched": sentinel.exists() and sentinel.read_text() == "original"
                   and sentinel.stat().st_mtime_ns == stamp,
-                  "planted": sorted(p.name for p in folder.iterdir() if p != sentinel), "connected": connected}
+                  "planted": sorted(p.name for p in folder.iterdir() if p not in (sentinel, Path(unix_path))),
+                  "connected": [name for name, sock in listeners.items() if connected(sock)]}  # must stay []
     finally:
-        listener.close()
+        for sock in listeners.values():
+            sock.close()
         shutil.rmtree(folder, ignore_errors=True)
     issued = sum(issubclass(w.category, SandboxWarning) for w in caught)
     return {"uid": os.geteuid(), "timeout_s": timeout_s, "rows": rows, "checks": checks, "warning": report["warning"],
@@ -138,7 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.target.is_dir():
         parser.error(f"--target {args.target} is not a folder: pass one you own, outside /tmp")
-    result = run_suite(args.target, args.timeout)
+    try:
+        result = run_suite(args.target, args.timeout)
+    except UnisolatedSandboxError as exc:
+        print(f"hostile_programs.py: the sandbox {exc}", file=sys.stderr)
+        return 2
     hostile = result["rows"][1:]
     checks = result["checks"]
     held = checks["sentinel_untouched"] and not checks["planted"] and not checks["connected"]

@@ -1,5 +1,6 @@
 """What the sandbox reports about its own isolation: which of network, files and processes only the audit hook
-guards, the warning a user then gets (once per process), and the switch that takes the hook away so that the
+guards, the warning a user then gets (once per process, where CEL_SANDBOX_UNISOLATED=allow lets such runs
+happen at all), and the switch that takes the hook away so that the
 kernel layers are tested alone. The hostile programs themselves are in test_sandbox.py (as root) and
 test_sandbox_unprivileged.py (as an ordinary user)."""
 from __future__ import annotations
@@ -33,6 +34,7 @@ def test_protections_name_what_only_the_hook_guards(monkeypatch):
 
 def test_best_effort_sandbox_warns_once_per_process(monkeypatch):
     monkeypatch.setenv("CEL_SANDBOX_DISABLE", ",".join(x for x in sandbox.LAYERS if x != "audit"))
+    monkeypatch.setenv("CEL_SANDBOX_UNISOLATED", "allow")  # the opt-in to such runs; refused without it
     monkeypatch.setattr(sandbox, "_warned", set())
     with pytest.warns(sandbox.SandboxWarning, match="network, files and processes") as caught:
         results = run_many([{"program": ADD, "tests": ["assert add(1, 2) == 3"]}] * 3, timeout_s=T, cache=False)
@@ -41,6 +43,7 @@ def test_best_effort_sandbox_warns_once_per_process(monkeypatch):
 
 def test_without_the_audit_hook_only_kernel_layers_remain(monkeypatch):
     monkeypatch.setenv("CEL_SANDBOX_DISABLE", "audit,netns")
+    monkeypatch.setenv("CEL_SANDBOX_UNISOLATED", "allow")
     r = run("import socket\nsocket.socket().close()\n")  # refused by the hook when it is there
     assert r.passed and "audit-guard" not in r.protections
 

@@ -1,6 +1,7 @@
 """The MBPP sandbox run by an ordinary user, not root: the hostile-program suite (benchmarks/hostile_programs.py) as
 a freshly created user, in a user namespace, with the kernel layers alone (audit hook off), and with user
-namespaces switched off (the degraded path, which must warn).
+namespaces switched off (the degraded path, which is refused unless the user opts in with
+CEL_SANDBOX_UNISOLATED=allow, and then warns).
 
 Needs root to create the user (CI and the dev machine run the tests as root); the user gets a copy of the sandbox
 code and a Python it can execute, since the project's venv may sit under a directory it cannot enter (/root).
@@ -34,6 +35,7 @@ SANDBOX_CODE = ["cel_utils/__init__.py", "cel_utils/paths.py", "cel_utils/evalua
 TIMEOUT = 2.0
 USER_NAMESPACE_LAYERS = {"userns", "netns", "mntns", "pidns", "ipcns", "utsns", "private-tmp", "private-proc",
                          "read-only-root", "no-caps"}
+UNIX_SOCKET_ATTACKS = ("connect to a Unix socket in your home", "connect to an abstract Unix socket")
 HOOK_BLIND = "plant a FIFO beside it (no audit event)"  # benchmarks/hostile_programs.py: os.mkfifo has no audit event
 UNSHARE_USER = "import ctypes, sys; sys.exit(ctypes.CDLL(None).unshare(0x10000000) != 0)"  # CLONE_NEWUSER
 
@@ -111,11 +113,12 @@ def files_under(folder: str) -> dict[str, tuple[int, int]]:
     return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in Path(folder).rglob("*") if p.is_file()}
 
 
-def run_suite(user, code, python, disable: str = "") -> dict:
+def run_suite(user, code, python, disable: str = "", unisolated: str = "") -> dict:
     """The hostile-program suite as `user`; also checks that it left no process and changed nothing in the home."""
     home_before = files_under(user.pw_dir)
     done = as_user(user, code, [python, "hostile_programs.py", "--json", "--timeout", str(TIMEOUT),
-                                "--target", user.pw_dir], CEL_SANDBOX_DISABLE=disable)
+                                "--target", user.pw_dir], CEL_SANDBOX_DISABLE=disable,
+                   CEL_SANDBOX_UNISOLATED=unisolated)
     assert done.stdout.strip(), f"the suite printed nothing (exit {done.returncode}): {done.stderr[-2000:]}"
     result = json.loads(done.stdout)
     time.sleep(0.2)
@@ -129,7 +132,7 @@ def run_suite(user, code, python, disable: str = "") -> dict:
         assert row["seconds"] < TIMEOUT + 2, f"{row['program']} ran {row['seconds']} s, past its {TIMEOUT} s limit"
         assert row["left_behind"] == 0, f"{row['program']} left a process behind"
     assert result["checks"]["sentinel_untouched"], "a file the user owns, outside the working directory, changed"
-    assert not result["checks"]["connected"], "a program reached the network"
+    assert result["checks"]["connected"] == [], "a program reached one of the suite's listeners"
     return result
 
 
@@ -147,7 +150,7 @@ def test_hostile_suite_as_an_ordinary_user_in_a_user_namespace(user, code, pytho
     result = run_suite(user, code, python)
     assert hostile_passes(result) == [] and result["checks"]["planted"] == []
     for row in result["rows"]:
-        assert USER_NAMESPACE_LAYERS | {"audit-guard"} <= set(row["protections"]), row["program"]
+        assert USER_NAMESPACE_LAYERS | {"audit-guard", "no-unix-sockets"} <= set(row["protections"]), row["program"]
     assert result["warning"] is None and result["warnings_issued"] == 0
 
 
@@ -156,15 +159,18 @@ def test_kernel_layers_alone_contain_the_suite(user, code, python, user_namespac
     result = run_suite(user, code, python, disable="audit")
     assert hostile_passes(result) == [] and result["checks"]["planted"] == []
     for row in result["rows"]:
-        assert USER_NAMESPACE_LAYERS <= set(row["protections"]) and "audit-guard" not in row["protections"]
+        assert USER_NAMESPACE_LAYERS | {"no-unix-sockets"} <= set(row["protections"]), row["program"]
+        assert "audit-guard" not in row["protections"]
     notes = {row["program"]: row["note"] for row in result["rows"]}
     for program in ("overwrite a file you own", "delete a file you own", "plant a file beside it", HOOK_BLIND):
         assert "Read-only file system" in notes[program], notes[program]  # the kernel refused, not the hook
     assert "Network is unreachable" in notes["connect to a local listener"]
+    for program in UNIX_SOCKET_ATTACKS:  # refused by the seccomp filter: neither netns nor read-only mounts would
+        assert "Address family not supported" in notes[program], notes[program]
 
 
 def test_degraded_path_without_user_namespaces_warns_once(user, code, python):
-    result = run_suite(user, code, python, disable="userns")
+    result = run_suite(user, code, python, disable="userns", unisolated="allow")
     for row in result["rows"]:
         assert not set(row["protections"]) & USER_NAMESPACE_LAYERS and "audit-guard" in row["protections"]
     # The audit hook contains every attack it can see; os.mkfifo raises no audit event, so the FIFO gets through:
@@ -172,3 +178,20 @@ def test_degraded_path_without_user_namespaces_warns_once(user, code, python):
     assert hostile_passes(result) == [HOOK_BLIND] and result["checks"]["planted"] == ["fifo"]
     assert "cannot isolate your network, files and processes" in result["warning"]
     assert result["warnings_issued"] == 1  # once for the whole suite, not once per program
+
+
+def test_degraded_path_is_refused_without_the_opt_in(user, code, python):
+    # the FIFO is the attack only kernel layers stop (see above): planted when the code runs, absent when refused
+    fifo = os.path.join(user.pw_dir, "refused-fifo")
+    program = f"import os\nos.mkfifo({fifo!r})\n"
+    run = f"from cel_utils.evaluation.sandbox import run_program; print(run_program({program!r}, cache=False).status)"
+    try:
+        refused = as_user(user, code, [python, "-c", run], CEL_SANDBOX_DISABLE="userns")
+        assert refused.returncode != 0 and "UnisolatedSandboxError" in refused.stderr, refused.stderr[-2000:]
+        assert "CEL_SANDBOX_UNISOLATED=allow" in refused.stderr and not os.path.exists(fifo)
+        allowed = as_user(user, code, [python, "-W", "ignore", "-c", run], CEL_SANDBOX_DISABLE="userns",
+                          CEL_SANDBOX_UNISOLATED="allow")
+        assert allowed.stdout.strip() == "passed" and os.path.exists(fifo)  # opted in, it runs: the test can fail
+    finally:
+        if os.path.exists(fifo):
+            os.remove(fifo)

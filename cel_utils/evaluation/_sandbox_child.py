@@ -11,8 +11,10 @@ Two processes:
               namespace when not root), forks the worker, enforces the wall-clock limit, kills leftovers and
               records how the worker ended.
   worker      pid 1 of a new pid namespace where possible. It builds its private filesystem view, sets rlimits,
-              drops to `nobody` (root) or gives up the user namespace's capabilities (otherwise), then runs
-              setup, program and tests in-process and writes the verdict.
+              drops to `nobody` (root) or gives up the user namespace's capabilities (otherwise), installs a
+              seccomp filter refusing Unix sockets, then runs setup, program and tests in-process and writes the
+              verdict; or, where a kernel layer of GUARDS is missing and the user did not opt in
+              (CEL_SANDBOX_UNISOLATED=allow), refuses without running any of them.
 
 The worker writes its verdict, "<secret> <status> <phase> <detail>", to a pipe only the supervisor reads, and
 only after the candidate code has finished, so nothing the candidate can read during its run holds the secret.
@@ -61,7 +63,7 @@ def main() -> None:
     os.close(setup_w)
     os.close(verdict_w)
     verdict = _Verdict(secret.encode(), verdict_r)
-    status, timed_out = _wait(pid, job["timeout_s"], verdict)
+    status, timed_out, cpu_s = _wait(pid, job["timeout_s"], verdict)
     duration = time.monotonic() - start
     try:
         os.killpg(pid, signal.SIGKILL)  # leftovers in the worker's group (without a pid namespace they may exist)
@@ -69,7 +71,7 @@ def main() -> None:
         pass
     verdict.drain()
     worker_layers = os.read(setup_r, 1 << 16).decode(errors="replace").split()
-    record = {"timed_out": timed_out, "duration_s": round(duration, 4),
+    record = {"timed_out": timed_out, "duration_s": round(duration, 4), "cpu_s": round(cpu_s, 4),
               "code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
               "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
               "verdict": verdict.line, "ready": bool(worker_layers), "layers": worker_layers or layers}
@@ -110,17 +112,19 @@ class _Verdict:
         self.line = buf[start + len(self.secret):end].decode(errors="replace").strip()
 
 
-def _wait(pid: int, timeout_s: float, verdict: _Verdict) -> tuple[int, bool]:
-    """Wait for the worker, killing it at the deadline; polling keeps this obvious and costs nothing measurable."""
+def _wait(pid: int, timeout_s: float, verdict: _Verdict) -> tuple[int, bool, float]:
+    """Wait for the worker, killing it at the deadline; polling keeps this obvious and costs nothing measurable.
+    Returns its wait status, whether it was killed, and the CPU seconds it used (how much of the machine it got)."""
     deadline = time.monotonic() + timeout_s
     while True:
         verdict.drain()
-        done, status = os.waitpid(pid, os.WNOHANG)
+        done, status, usage = os.wait4(pid, os.WNOHANG)
         if done:
-            return status, False
+            return status, False, usage.ru_utime + usage.ru_stime
         if time.monotonic() >= deadline:
             os.kill(pid, signal.SIGKILL)  # as pid 1 of its namespace, its death takes every descendant with it
-            return os.waitpid(pid, 0)[1], True
+            _, status, usage = os.wait4(pid, 0)
+            return status, True, usage.ru_utime + usage.ru_stime
         time.sleep(0.01)
 
 
@@ -156,6 +160,12 @@ def _worker(job: dict, secret: str, setup_w: int, verdict_w: int, ns_layers: lis
         layers.append("no-new-privs")
     except OSError:
         pass
+    if "seccomp" not in job["disable"]:
+        try:
+            isolation.deny_unix_sockets()
+            layers.append("no-unix-sockets")
+        except OSError:  # an unknown architecture, or a kernel without seccomp filters
+            pass
     try:
         isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)  # after setresuid, which clears it
         layers.append("pdeathsig")
@@ -175,6 +185,11 @@ def _worker(job: dict, secret: str, setup_w: int, verdict_w: int, ns_layers: lis
 
     os.write(setup_w, " ".join(layers).encode())
     os.close(setup_w)  # closed before the candidate runs
+    missing = isolation.unguarded(layers)
+    if missing and not job["allow_unisolated"]:
+        # decided here, from the layers this very run got, so no candidate ever runs on a stale view of the machine
+        os.write(verdict_w, f"{secret} refused - {','.join(missing)}\n".encode())
+        os._exit(0)
     harness.run_candidate(job, secret, verdict_w)
 
 

@@ -1,14 +1,35 @@
 """The sandbox worker's last layers, in the candidate's own interpreter: the audit hook that stands in for missing
-kernel layers, and the harness that runs setup, program and tests and writes the verdict (see
-cel_utils.evaluation.sandbox for how cheating is scored).
+kernel layers, and the harness that runs setup, program and tests and writes the verdict (statuses: see
+cel_utils.evaluation.sandbox).
 
-Standard library only, imported by _sandbox_child.py by path before anything is isolated (see its docstring).
+How cheating is scored. Exit status 0 never counts. A pass is the harness's verdict line "<secret> passed",
+where the secret is 128 random bits made per run and handed over on stdin (which the candidate then finds
+empty). The harness writes it only after the last test returned, into a pipe the candidate cannot read back
+(root-owned; reopening it through /proc is refused to nobody; in a user namespace the candidate owns it, which
+gives it no more than the frames below do), and checks first that the fd is still that pipe;
+the supervisor keeps the first line carrying the secret and ignores everything else. The harness then leaves
+with os._exit, so atexit handlers never run. Before the candidate runs, the harness binds exec, os.write,
+os._exit and the exception classes; before each test it restores the builtins module and the namespace's
+__builtins__ and clears trace and profile hooks. So: sys.exit(0)/os._exit(0) before the asserts -> early_exit;
+printed or written fake results -> ignored; patched `exec`/`sorted`/`AssertionError`, atexit or excepthook
+tricks -> the asserts still run and fail.
+Not defended: candidate and harness share one interpreter, as asserts must call the candidate's functions, so
+code written against this harness can read the secret out of its frames (`sys._getframe(1).f_locals`, gc, a
+racing thread) and forge a pass (a strict xfail test shows it); and an object whose __eq__ always returns True,
+or a patched module function that a test calls (math.isclose), makes false asserts true. These take deliberate,
+visible code, not an accident of generation; closing them needs the asserts evaluated outside the candidate's
+process (values passed back as plain data), which is not done.
+
+Standard library only, imported by _sandbox_child.py by path before anything is isolated (see its docstring);
+sandbox.py imports it too, for `judge`, which turns the supervisor's record into a status by the rules above.
 """
 from __future__ import annotations
 
 import builtins
+import json
 import linecache
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -140,3 +161,47 @@ def run_candidate(job: dict, secret: str, verdict_fd: int) -> None:
     except BaseException_ as exc:
         verdict("exception", phase, exc)
     verdict("passed", "", None)
+
+
+# --- judging, in the parent (sandbox.py) -----------------------------------------------------------------------------
+
+def read_report(data: bytes, secret: str) -> dict | None:
+    """The supervisor's record: the first line carrying this run's secret."""
+    for line in data.decode(errors="replace").splitlines():
+        _, found, rest = line.partition(secret)
+        if found:
+            try:
+                return json.loads(rest)
+            except ValueError:
+                return None
+    return None
+
+
+def judge(record: dict | None, backstop: bool, supervisor_rc: int | None,
+          timeout_s: float, grace_s: float) -> tuple[str, int | None, str]:
+    """Status, return code and a one-line explanation, from what the supervisor recorded (sandbox.py: `backstop`
+    means it killed the supervisor itself, timeout_s + grace_s after starting it)."""
+    if backstop:
+        return "timeout", None, f"the sandbox did not finish within {timeout_s + grace_s:g} s and was killed"
+    if record is None:
+        return "error", supervisor_rc, f"the sandbox supervisor ended without a record (exit {supervisor_rc})"
+    code, sig = record["code"], record["signal"]
+    returncode = -sig if sig else code
+    if record["timed_out"] or sig == signal.SIGXCPU:
+        return "timeout", returncode, f"still running after {timeout_s:g} s (wall clock or CPU time)"
+    if record["verdict"] is not None:
+        status, phase, detail = (record["verdict"].split(" ", 2) + ["", ""])[:3]
+        if status == "passed":
+            if code == 0:
+                return "passed", returncode, "all tests ran"
+            return "error", returncode, f"harness reported a pass but exited with {code}"
+        return status, returncode, f"in {phase}: {detail}"
+    if sig:
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:  # e.g. a real-time signal
+            name = f"signal {sig}"
+        return "killed", returncode, f"killed by {name}"
+    if not record["ready"]:
+        return "error", returncode, "the sandbox failed while setting up (see stderr)"
+    return "early_exit", returncode, f"exited with status {code} before the tests finished"

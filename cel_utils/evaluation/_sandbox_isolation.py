@@ -1,5 +1,7 @@
 """Kernel layers of the sandbox (see cel_utils.evaluation.sandbox): namespaces, private mounts, the drop to
-`nobody` as root, or a user namespace with a read-only filesystem and no capabilities without root; rlimits.
+`nobody` as root, or a user namespace with a read-only filesystem and no capabilities without root; rlimits; a
+seccomp filter against Unix sockets. Also GUARDS, which both sides read (the worker refuses to run a candidate
+that only the audit hook would guard), and the parent's clean-up of a workdir.
 
 Standard library only: _sandbox_child.py imports this file by path before anything is isolated or any privilege
 given up (see its docstring); the project itself is never imported here.
@@ -22,6 +24,7 @@ import os
 import pwd
 import re
 import resource
+import shutil
 import stat
 import sys
 
@@ -32,7 +35,7 @@ NAMESPACES = (("netns", CLONE_NEWNET), ("mntns", CLONE_NEWNS), ("pidns", CLONE_N
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 MNT_DETACH = 2
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+PR_SET_PDEATHSIG, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS = 1, 22, 38
 CAP_VERSION_3 = 0x20080522
 # Covered by a fresh tmpfs: everywhere others could write (so `nobody` writes only throwaway space), and /run, whose
 # sockets (the user's session bus, docker, databases) the user namespace's read-only mounts would not refuse.
@@ -41,6 +44,10 @@ PRIVATE_WORKDIR = "/tmp/work"
 NPROC = 16        # processes + threads; also bounds a fork bomb's memory
 NOFILE = 256
 FSIZE = 16 << 20  # bytes per file, stdout and stderr included: more output fails with EFBIG instead of filling disk
+
+# What model-written code must be kept away from, and the kernel layers that do it (any one of them suffices). The
+# worker refuses to run a candidate that leaves any of them to the audit hook alone, unless the user opted in.
+GUARDS = {"network": ("netns",), "files": ("uid-nobody", "read-only-root"), "processes": ("pidns", "uid-nobody")}
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
@@ -107,6 +114,12 @@ def _user_namespace() -> bool:
 def _write(path: str, text: str) -> None:
     with open(path, "w") as handle:
         handle.write(text)
+
+
+def unguarded(protections) -> list[str]:
+    """What of GUARDS no kernel layer among `protections` protects: only the best-effort audit hook does."""
+    have = set(protections)
+    return [what for what, layers in GUARDS.items() if not have.intersection(layers)]
 
 
 # --- worker: the filesystem ----------------------------------------------------------------------------------------
@@ -215,6 +228,55 @@ def drop_capabilities() -> None:
     _ok(_libc.capset(ctypes.byref(_CapHeader(CAP_VERSION_3, 0)), (_CapData * 2)()))
 
 
+# seccomp: refuse socket(AF_UNIX). Neither a network namespace (path sockets live in the filesystem) nor a read-only
+# mount (connect() is no write) keeps a candidate running as our uid from the sockets our processes listen on, and
+# abstract ones are shared wherever the network namespace is not new. socketpair() stays: it reaches nobody else.
+# io_uring is refused too (its requests can open sockets without the socket() syscall), and so is the x32 ABI and
+# any other architecture's syscalls (int 0x80 from a 64-bit process): the same calls under numbers not checked here.
+AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+SYSCALLS = {"x86_64": {"socket": 41, "io_uring_setup": 425}, "aarch64": {"socket": 198, "io_uring_setup": 425}}
+SECCOMP_MODE_FILTER, SECCOMP_RET_ALLOW, SECCOMP_RET_KILL_PROCESS = 2, 0x7FFF0000, 0x80000000
+SECCOMP_RET_ERRNO = 0x00050000
+BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x06
+X32_SYSCALL_BIT, AF_UNIX = 0x40000000, 1
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def deny_unix_sockets() -> None:
+    """Install the seccomp filter above (after no-new-privs, which lets an unprivileged process install one).
+    Raises OSError where this machine's architecture is not one we know the syscall numbers of."""
+    machine = os.uname().machine
+    if machine not in AUDIT_ARCH:
+        raise OSError(errno.ENOSYS, f"no seccomp filter for {machine}")
+    nr = SYSCALLS[machine]
+    allow, eafnosupport = SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | errno.EAFNOSUPPORT
+    prog = [  # (code, jump if true, jump if false, k); seccomp_data: nr at 0, arch at 4, args[0] (low half) at 16
+        (BPF_LD_W_ABS, 0, 0, 4),
+        (BPF_JEQ_K, 1, 0, AUDIT_ARCH[machine]),
+        (BPF_RET_K, 0, 0, SECCOMP_RET_KILL_PROCESS),         # a foreign architecture's syscall
+        (BPF_LD_W_ABS, 0, 0, 0),
+        (BPF_JGE_K, 0, 1, X32_SYSCALL_BIT),
+        (BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | errno.ENOSYS),  # x32 numbering
+        (BPF_JEQ_K, 0, 1, nr["io_uring_setup"]),
+        (BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | errno.EPERM),
+        (BPF_JEQ_K, 0, 3, nr["socket"]),
+        (BPF_LD_W_ABS, 0, 0, 16),
+        (BPF_JEQ_K, 0, 1, AF_UNIX),
+        (BPF_RET_K, 0, 0, eafnosupport),
+        (BPF_RET_K, 0, 0, allow),
+    ]
+    program = (_SockFilter * len(prog))(*[_SockFilter(*ins) for ins in prog])
+    fprog = _SockFprog(len(prog), ctypes.cast(program, ctypes.POINTER(_SockFilter)))
+    _ok(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(fprog), 0, 0))
+
+
 def drop_to_nobody(workdir: str) -> None:
     nobody = _nobody()
     os.chown(workdir, nobody.pw_uid, nobody.pw_gid)
@@ -271,3 +333,27 @@ def expose(dirs: list[str]) -> None:
         _mount(spot, d, None, MS_BIND | MS_REC)
         _ok(_libc.umount2(_b(spot), MNT_DETACH))
         os.rmdir(spot)
+
+
+# --- parent: cleaning up -------------------------------------------------------------------------------------------
+
+def remove_tree(path: str) -> bool:
+    """Remove the workdir of a run without a private /tmp; False when something of it is left."""
+    shutil.rmtree(path, ignore_errors=True)
+    if os.path.exists(path):
+        # without root the candidate ran as us and may have made directories unreadable (chmod 0): undo that,
+        # never following symlinks it may have left, and try again
+        _chmod_dir(path)
+        for dirpath, dirnames, _ in os.walk(path):
+            for name in dirnames:
+                _chmod_dir(os.path.join(dirpath, name))  # before os.walk descends into it
+        shutil.rmtree(path, ignore_errors=True)
+    return not os.path.exists(path)
+
+
+def _chmod_dir(path: str) -> None:
+    if not os.path.islink(path):
+        try:
+            os.chmod(path, 0o700)
+        except OSError:
+            pass

@@ -14,6 +14,9 @@ candidate), in its own session, with these layers:
   workdir          a fresh working directory, removed afterwards           -
   env-scrubbed     nothing inherited (tokens, proxies, PYTHON*)            -
   no-new-privs     setuid binaries cannot hand privileges back             -
+  no-unix-sockets  a seccomp filter: socket(AF_UNIX) and io_uring fail,    x86_64 or aarch64 (Linux seccomp)
+                   so no socket our processes listen on (at a path, which
+                   no namespace hides, or abstract) can be reached
   pdeathsig        the worker dies if its supervisor dies                  -
   userns           without root: a user namespace mapping our uid to       not root, and a kernel that lets
                    itself, inside which the namespaces below are made      users make one (userns below)
@@ -41,21 +44,24 @@ users create user namespaces (`unshare -Urn true` works; so on most current dist
 made inside one (`_sandbox_isolation.py` says how): the candidate still runs as our uid, so read-only mounts, not
 file permissions, keep it off our files; it can read what we can read (our home), with no network to send it
 anywhere. Where user namespaces are refused (or switched off with CEL_SANDBOX_DISABLE=userns) only the "-" rows
-remain: the candidate runs as our own uid and the audit hook, best effort and not a security boundary, is all that
-stands between it and our files, processes and network. `unguarded` names what only the hook protects; the first
-such run of a process warns, and `isolation_report()` is what a run records in its artifact and shows on its page.
+remain, and the audit hook, best effort and not a security boundary, would be all that stands between the
+candidate, running as our own uid, and our files, processes and network. `unguarded` names what only the hook
+would protect. Such a run is refused (UnisolatedSandboxError, before any candidate code runs) unless the user
+opts in with the environment variable CEL_SANDBOX_UNISOLATED=allow (an environment variable, so that it reaches
+worker processes and notebooks); opted in, the first such run of a process warns. `isolation_report()` is what a
+run records in its artifact and shows on its page.
 We do our own unshare() and mounts (ctypes, as root already did) rather than calling bubblewrap: `bwrap` is often
 not installed where researchers run (cluster nodes, laptops) and cannot be installed without root, while every
 layer here degrades on its own where a kernel refuses it (bwrap refuses to start instead).
-As root without a mount namespace, a Python installed under a
-directory others cannot enter (pyenv in a 0700 /root, as on our dev machine) leaves no uid drop possible; with
-one, that directory is covered by an empty tmpfs and only the Python directories are bound back, in the
-sandbox's view only. Without a pid namespace, a grandchild that calls setsid() escapes the final group kill (it
-keeps the CPU limit). RLIMIT_NPROC counts all of nobody's processes on the machine (in a user namespace, those
-of the namespace), so parallel sandboxes as root share those 16. Memory is bounded per process only (RLIMIT_AS);
-there are no cgroups.
-`CEL_SANDBOX_DISABLE=userns,netns,mntns,pidns,ipcns,utsns,uid,audit` (any subset) switches layers off, to test
-the degraded paths (userns matters only without root, uid only as root) and the kernel layers without the hook.
+As root without a mount namespace, a Python installed under a directory others cannot enter (pyenv in a 0700
+/root, as on our dev machine) leaves no uid drop possible; with one, that directory is covered by an empty tmpfs
+and only the Python directories are bound back, in the sandbox's view only. Without a pid namespace, a grandchild
+that calls setsid() escapes the final group kill (it keeps the CPU limit). RLIMIT_NPROC counts all of nobody's
+processes on the machine (in a user namespace, those of the namespace), so parallel sandboxes as root share those
+16. Memory is bounded per process only (RLIMIT_AS); there are no cgroups.
+`CEL_SANDBOX_DISABLE=userns,netns,mntns,pidns,ipcns,utsns,uid,seccomp,audit` (any subset) switches layers off, to
+test the degraded paths (userns matters only without root, uid only as root) and the kernel layers without the
+hook; one that leaves something unguarded needs CEL_SANDBOX_UNISOLATED=allow as well.
 
 Statuses (`ExecResult.status`); only "passed" has `passed=True`:
   passed        setup, program and every test ran, and the harness reported it with this run's secret
@@ -63,31 +69,18 @@ Statuses (`ExecResult.status`); only "passed" has `passed=True`:
   exception     any other exception: NameError, MemoryError, RecursionError, EOFError from input(), EFBIG...
   syntax_error  setup, program or a test does not compile
   early_exit    the worker ended before the harness reported: sys.exit(), exit(), os._exit(), a tampered pipe
-  timeout       the wall-clock limit (timeout_s, from the worker's start) or the CPU-time limit
+  timeout       the wall-clock limit (timeout_s, from the worker's start) or the CPU-time limit; one that did not
+                have the CPU all along runs again at once, alone among our sandboxes, before it is reported
   killed        ended by another signal, e.g. SIGSEGV from a C-level stack overflow
-  error         the sandbox itself failed; never cached
+  error         the sandbox itself failed
 The last line of `stderr` is a "[sandbox] <status>: <why>" note, e.g. which test failed and how.
 
-How cheating is scored. Exit status 0 never counts. A pass is the harness's verdict line "<secret> passed",
-where the secret is 128 random bits made per run and handed over on stdin (which the candidate then finds
-empty). The harness writes it only after the last test returned, into a pipe the candidate cannot read back
-(root-owned; reopening it through /proc is refused to nobody; in a user namespace the candidate owns it, which
-gives it no more than the frames below do), and checks first that the fd is still that pipe;
-the supervisor keeps the first line carrying the secret and ignores everything else. The harness then leaves
-with os._exit, so atexit handlers never run. Before the candidate runs, the harness binds exec, os.write,
-os._exit and the exception classes; before each test it restores the builtins module and the namespace's
-__builtins__ and clears trace and profile hooks. So: sys.exit(0)/os._exit(0) before the asserts -> early_exit;
-printed or written fake results -> ignored; patched `exec`/`sorted`/`AssertionError`, atexit or excepthook
-tricks -> the asserts still run and fail.
-Not defended: candidate and harness share one interpreter, as asserts must call the candidate's functions, so
-code written against this harness can read the secret out of its frames (`sys._getframe(1).f_locals`, gc, a
-racing thread) and forge a pass (a strict xfail test shows it); and an object whose __eq__ always returns True,
-or a patched module function that a test calls (math.isclose), makes false asserts true. These take deliberate,
-visible code, not an accident of generation; closing them needs the asserts evaluated outside the candidate's
-process (values passed back as plain data), which is not done.
+How cheating is scored, and what is not defended (code written against the harness): see _sandbox_harness.py.
 
-Results are cached on disk by sha256(program, tests, setup, limits, SANDBOX_VERSION); timeouts are cached too
-(pass cache=False to re-check one), sandbox errors never.
+Results are cached on disk by sha256 of SANDBOX_VERSION (a hash of this file and the _sandbox_*.py beside it),
+the Python, the layers a sandbox gets here (`isolation_report`: other users, CEL_SANDBOX_DISABLE or kernels get
+others), program, tests, setup and limits. Timeouts and sandbox errors are never cached: how long a program takes
+depends on what else the machine runs, and a timeout under load must not become a permanent verdict.
 """
 from __future__ import annotations
 
@@ -95,7 +88,6 @@ import hashlib
 import json
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -103,23 +95,38 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from cel_utils.evaluation._sandbox_harness import judge, read_report
+from cel_utils.evaluation._sandbox_isolation import GUARDS, remove_tree, unguarded
 from cel_utils.paths import atomic_write, cache_dir
 
-SANDBOX_VERSION = "2"  # bump when a change could alter any result: it is part of the cache key
-LAYERS = ("userns", "netns", "mntns", "pidns", "ipcns", "utsns", "uid", "audit")  # what CEL_SANDBOX_DISABLE may name
+
+def source_version(folder: str | os.PathLike[str] = Path(__file__).parent) -> str:
+    """A hash of the sandbox's code in `folder`: sandbox.py and every _sandbox_*.py (child, isolation, harness).
+    Part of the cache key, so any change to how programs are run or judged recomputes every result."""
+    digest = hashlib.sha256()
+    for path in sorted([Path(folder) / "sandbox.py", *Path(folder).glob("_sandbox_*.py")]):
+        data = path.read_bytes()  # name and length first, so no two sets of files hash alike
+        digest.update(f"{path.name}\0{len(data)}\0".encode() + data)
+    return digest.hexdigest()[:16]
+
+
+SANDBOX_VERSION = source_version()  # derived, never hand-kept: no change can be forgotten
+LAYERS = ("userns", "netns", "mntns", "pidns", "ipcns", "utsns", "uid", "seccomp", "audit")  # CEL_SANDBOX_DISABLE
+UNISOLATED_ENV = "CEL_SANDBOX_UNISOLATED"  # "allow": run code even where only the audit hook guards something
 STATUSES = ("passed", "failed", "exception", "syntax_error", "early_exit", "timeout", "killed", "error")
 TAIL_BYTES = 4000   # how much of stdout/stderr a result keeps
 GRACE_S = 5.0       # on top of timeout_s before we stop waiting for the supervisor itself
+BUSY = 0.9          # a timeout that used this share of timeout_s as CPU time was not starved by load: no retry
 _CHILD = Path(__file__).with_name("_sandbox_child.py")
 _CHILD_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
-# What model-written code must be kept away from, and the kernel layers that do it (any one of them suffices).
-GUARDS = {"network": ("netns",), "files": ("uid-nobody", "read-only-root"), "processes": ("pidns", "uid-nobody")}
+_PYTHON = [sys.implementation.name, *sys.version_info]  # what ran the results (the child is sys.executable too)
 
 
 @dataclass(frozen=True)
@@ -131,6 +138,7 @@ class ExecResult:
     stdout: str                     # last TAIL_BYTES
     stderr: str                     # last TAIL_BYTES, ending with a "[sandbox] ..." note
     protections: tuple[str, ...]    # the layers that were active, see the module docstring
+    cpu_s: float | None = None      # CPU time of the process that ran the candidate; None if unknown
 
 
 def run_program(program: str, tests: Sequence[str] = (), setup: str = "", *, timeout_s: float = 10.0,
@@ -144,11 +152,17 @@ def run_program(program: str, tests: Sequence[str] = (), setup: str = "", *, tim
         raise ValueError("timeout_s and memory_mb must be positive")
     tests = [str(t) for t in tests]
     store = ExecCache() if cache is True else cache or None
-    key = ExecCache.key(program, tests, setup, timeout_s, memory_mb)
+    key = ExecCache.key(program, tests, setup, timeout_s, memory_mb) if store is not None else ""
     if store is not None and (hit := store.get(key)) is not None:
         return hit
-    result = _execute(program, tests, setup, float(timeout_s), int(memory_mb))
-    if store is not None and result.status != "error":
+    with _gate.shared():
+        result = _execute(program, tests, setup, float(timeout_s), int(memory_mb))
+    if result.status == "timeout" and (result.cpu_s or 0) < BUSY * timeout_s:
+        # shared cores can push an honest program past its limit: once more with none of ours beside it, unless it
+        # had the CPU all along (an endless loop). Others' load we cannot stop: hence timeouts are never cached.
+        with _gate.alone():
+            result = _execute(program, tests, setup, float(timeout_s), int(memory_mb))
+    if store is not None and result.status not in ("timeout", "error"):
         store.put(key, result)
     return result
 
@@ -160,10 +174,8 @@ def check_mbpp(completion: str, test_list: Sequence[str], test_setup_code: str =
 
 
 def run_many(jobs: Iterable[Mapping[str, Any]], workers: int = 2, **kw: Any) -> list[ExecResult]:
-    """run_program for each job (a mapping of its arguments, overriding `kw`), `workers` sandboxes at a time.
-
-    Threads are enough: each thread only waits for its sandbox process, which does the work.
-    """
+    """run_program for each job (a mapping of its arguments, overriding `kw`), `workers` sandboxes at a time
+    (threads are enough: each only waits for its sandbox process, which does the work)."""
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(lambda job: run_program(**{**kw, **job}), jobs))
 
@@ -174,10 +186,17 @@ class SandboxWarning(UserWarning):
     """Model-written code runs with only best-effort protection of something (see `unguarded`)."""
 
 
-def unguarded(protections: Iterable[str]) -> list[str]:
-    """What of GUARDS no kernel layer among `protections` protects: only the best-effort audit hook does."""
-    have = set(protections)
-    return [what for what, layers in GUARDS.items() if not have.intersection(layers)]
+class UnisolatedSandboxError(RuntimeError):
+    """The sandbox would leave something of GUARDS to the audit hook alone, and the user did not opt in."""
+
+
+def allow_unisolated() -> bool:
+    """Whether the user opted in, with CEL_SANDBOX_UNISOLATED=allow, to runs that only the audit hook guards."""
+    value = os.environ.get(UNISOLATED_ENV, "").strip()
+    if value not in ("", "allow"):
+        raise ValueError(f"{UNISOLATED_ENV}={value!r} is not understood: set it to 'allow' to run model-written code "
+                         "where the sandbox has only best-effort protection, or unset it to have such runs refused")
+    return value == "allow"
 
 
 def isolation_warning(protections: Sequence[str]) -> str | None:
@@ -206,16 +225,51 @@ def _warn_once(protections: tuple[str, ...]) -> None:
     warnings.warn(text, SandboxWarning, stacklevel=4)
 
 
+class _Gate:
+    """Our sandboxes run side by side (`shared`); a timeout's second try (`alone`) waits until none of them runs,
+    and holds new ones back until it is done."""
+
+    def __init__(self) -> None:
+        self._cond, self._running, self._alone = threading.Condition(), 0, False
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._alone)
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._running -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def alone(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._alone)
+            self._alone = True
+            self._cond.wait_for(lambda: self._running == 0)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._alone = False
+                self._cond.notify_all()
+
+
+_gate = _Gate()
 _reports: dict[tuple[int, str], dict] = {}
 
 
 def isolation_report() -> dict:
     """The layers a sandbox gets here, as this user with this CEL_SANDBOX_DISABLE, from one empty program run
     uncached (once per process): {"protections": [...], "unguarded": [...], "warning": text or None}. A run
-    records it in its artifact, and its page shows the warning."""
+    records it in its artifact, and its page shows the warning; the cache keys results by these layers."""
     key = (os.geteuid(), os.environ.get("CEL_SANDBOX_DISABLE", ""))
     if key not in _reports:
-        probe = run_program("", cache=False)
+        with _gate.shared():  # no model-written code in it, so it runs whatever CEL_SANDBOX_UNISOLATED says
+            probe = _execute("", [], "", 10.0, 1024, True)
         if probe.status != "passed":  # not remembered: the next call tries again
             return {"protections": [], "unguarded": list(GUARDS),
                     "warning": f"the MBPP sandbox failed to run an empty program: {probe.stderr.splitlines()[-1]}"}
@@ -234,8 +288,13 @@ class ExecCache:
         self.root = Path(root) if root is not None else cache_dir() / "exec"
 
     @staticmethod
-    def key(program: str, tests: Sequence[str], setup: str, timeout_s: float, memory_mb: int) -> str:
-        blob = json.dumps([SANDBOX_VERSION, program, list(tests), setup, float(timeout_s), int(memory_mb)])
+    def key(program: str, tests: Sequence[str], setup: str, timeout_s: float, memory_mb: int,
+            protections: Sequence[str] | None = None) -> str:
+        """The entry's name; `protections` defaults to the layers a sandbox gets here (`isolation_report`)."""
+        if protections is None:
+            protections = isolation_report()["protections"]
+        blob = json.dumps([SANDBOX_VERSION, _PYTHON, sorted(protections), program, list(tests), setup,
+                           float(timeout_s), int(memory_mb)])
         return hashlib.sha256(blob.encode()).hexdigest()
 
     def _path(self, key: str) -> Path:
@@ -264,7 +323,7 @@ class ExecCache:
             warnings.warn(f"sandbox cache: could not write {path}: {exc}", stacklevel=2)
 
 
-_FIELD_TYPES = (str, bool, (int, type(None)), (float, int), str, str, tuple)
+_FIELD_TYPES = (str, bool, (int, type(None)), (float, int), str, str, tuple, (float, int, type(None)))
 
 
 def _digest(record: Mapping[str, Any]) -> str:
@@ -282,16 +341,19 @@ def _disabled() -> list[str]:
     return names
 
 
-def _execute(program: str, tests: list[str], setup: str, timeout_s: float, memory_mb: int) -> ExecResult:
+def _execute(program: str, tests: list[str], setup: str, timeout_s: float, memory_mb: int,
+             allow: bool | None = None) -> ExecResult:
+    """One run; `allow` overrides CEL_SANDBOX_UNISOLATED (the isolation probe, which runs no candidate code)."""
     secret = secrets.token_hex(16)
     disable = _disabled()
+    allow = allow_unisolated() if allow is None else allow
     workdir = tempfile.mkdtemp(prefix="cel-sandbox-")  # used when there is no private /tmp
     start = time.monotonic()
     try:
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as report:
             job = {"program": program, "tests": tests, "setup": setup, "timeout_s": timeout_s,
                    "memory_mb": memory_mb, "workdir": workdir, "report_fd": report.fileno(), "secret": secret,
-                   "disable": disable}
+                   "disable": disable, "allow_unisolated": allow}
             try:
                 proc = subprocess.Popen([sys.executable, "-I", "-B", str(_CHILD)], stdin=subprocess.PIPE,
                                         stdout=out, stderr=err, pass_fds=(report.fileno(),), cwd=workdir,
@@ -311,80 +373,23 @@ def _execute(program: str, tests: list[str], setup: str, timeout_s: float, memor
                 proc.wait()
             duration = time.monotonic() - start
             report.seek(0)
-            record = _read_report(report.read(), secret)
-            status, returncode, note = _judge(record, backstop, proc.returncode, timeout_s)
+            record = read_report(report.read(), secret)
+            status, returncode, note = judge(record, backstop, proc.returncode, timeout_s, GRACE_S)
             protections = tuple(record["layers"]) if record else ()
+            if record and (record["verdict"] or "").startswith("refused "):
+                # the worker stopped before any candidate code ran
+                raise UnisolatedSandboxError(f"refused to run model-written code: {isolation_warning(protections)}. To "
+                                             "run it anyway, behind that hook alone, set the environment variable "
+                                             f"{UNISOLATED_ENV}=allow (read by every process, notebooks too)")
             if record and record["ready"]:
                 _warn_once(protections)
             stderr = _tail(err)
             stderr += ("\n" if stderr and not stderr.endswith("\n") else "") + f"[sandbox] {status}: {note}"
             return ExecResult(status, status == "passed", returncode, round(duration, 4), _tail(out), stderr,
-                              protections)
+                              protections, record["cpu_s"] if record else None)
     finally:
-        _remove_tree(workdir)
-
-
-def _remove_tree(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    if os.path.exists(path):
-        # without root the candidate ran as us and may have made directories unreadable (chmod 0): undo that,
-        # never following symlinks it may have left, and try again
-        _chmod_dir(path)
-        for dirpath, dirnames, _ in os.walk(path):
-            for name in dirnames:
-                _chmod_dir(os.path.join(dirpath, name))  # before os.walk descends into it
-        shutil.rmtree(path, ignore_errors=True)
-    if os.path.exists(path):
-        warnings.warn(f"sandbox: could not remove {path}", stacklevel=3)
-
-
-def _chmod_dir(path: str) -> None:
-    if not os.path.islink(path):
-        try:
-            os.chmod(path, 0o700)
-        except OSError:
-            pass
-
-
-def _read_report(data: bytes, secret: str) -> dict | None:
-    """The supervisor's record: the first line carrying this run's secret."""
-    for line in data.decode(errors="replace").splitlines():
-        _, found, rest = line.partition(secret)
-        if found:
-            try:
-                return json.loads(rest)
-            except ValueError:
-                return None
-    return None
-
-
-def _judge(record: dict | None, backstop: bool, supervisor_rc: int | None,
-           timeout_s: float) -> tuple[str, int | None, str]:
-    """Status, return code and a one-line explanation, from what the supervisor recorded."""
-    if backstop:
-        return "timeout", None, f"the sandbox did not finish within {timeout_s + GRACE_S:g} s and was killed"
-    if record is None:
-        return "error", supervisor_rc, f"the sandbox supervisor ended without a record (exit {supervisor_rc})"
-    code, sig = record["code"], record["signal"]
-    returncode = -sig if sig else code
-    if record["timed_out"] or sig == signal.SIGXCPU:
-        return "timeout", returncode, f"still running after {timeout_s:g} s (wall clock or CPU time)"
-    if record["verdict"] is not None:
-        status, phase, detail = (record["verdict"].split(" ", 2) + ["", ""])[:3]
-        if status == "passed":
-            if code == 0:
-                return "passed", returncode, "all tests ran"
-            return "error", returncode, f"harness reported a pass but exited with {code}"
-        return status, returncode, f"in {phase}: {detail}"
-    if sig:
-        try:
-            name = signal.Signals(sig).name
-        except ValueError:  # e.g. a real-time signal
-            name = f"signal {sig}"
-        return "killed", returncode, f"killed by {name}"
-    if not record["ready"]:
-        return "error", returncode, "the sandbox failed while setting up (see stderr)"
-    return "early_exit", returncode, f"exited with status {code} before the tests finished"
+        if not remove_tree(workdir):
+            warnings.warn(f"sandbox: could not remove {workdir}", stacklevel=3)
 
 
 def _tail(f: Any) -> str:
