@@ -44,7 +44,7 @@ test: $(VENV)/.installed browser system-python
 browser:
 	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
 	  { [ "$$(id -u)" = 0 ] && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) ; } || \
-	  echo "warning: chromium is not installed and could not be installed; the browser test will be skipped"
+	  echo "warning: chromium is not installed and could not be installed; the browser tests will fail under CI=true and be skipped elsewhere"
 
 # A Python that others may run, for the sandbox test that runs as a fresh ordinary user (the venv's interpreter may
 # sit under a 0700 /root). Debian package; needs root, as in CI.

@@ -4,19 +4,28 @@ tornado (already installed with Jupyter).
 The browser runs with the network cut off (every host name but localhost fails to resolve), as a reader offline
 would see the site. :func:`visit` loads one page and reports what a reader's browser saw: console errors, uncaught
 exceptions, failed or 4xx/5xx requests, any request that left the site, and the result of a JavaScript probe.
+
+A browser that is missing or does not start fails the tests in CI (``CI`` set, as every CI service sets it: there the
+browser is part of the machine, and a skip would hide that the pages were never checked) and skips them elsewhere
+(:func:`unavailable`).
 """
 from __future__ import annotations
 
 import asyncio
 import base64
 import json
+import os
 import re
 import shutil
 import subprocess
 import threading
-from contextlib import contextmanager
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
+
+import pytest
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -44,7 +53,38 @@ PROBE = """JSON.stringify({
   heatmap_cells: document.querySelectorAll('.plotly-graph-div .hm image, .plotly-graph-div .heatmaplayer image').length,
   images: Array.from(document.images).map(i => [i.currentSrc, i.complete && i.naturalWidth > 0]),
   links: Array.from(document.querySelectorAll('a[href]')).map(a => a.href),
+  // What MathJax typeset: each formula's TeX, and those it could not (an error node, or an undefined macro, which
+  // MathJax draws in red instead of failing).
+  tex: window.MathJax && MathJax.startup && MathJax.startup.document
+       ? Array.from(MathJax.startup.document.math, item => item.math) : [],
+  tex_failed: window.MathJax && MathJax.startup && MathJax.startup.document
+       ? Array.from(MathJax.startup.document.math).filter(item => item.root && /<merror|mathcolor="red"/.test(
+           MathJax.startup.toMML(item.root))).map(item => item.math) : [],
+  // The page's prose as text nodes (code, notebook outputs and typeset math left out), for TeX left untypeset.
+  prose: (() => {
+    const skip = 'script, style, pre, code, textarea, mjx-container, .cell_output, .output, .highlight';
+    const walker = document.createTreeWalker(document.body || document.documentElement, NodeFilter.SHOW_TEXT);
+    const nodes = [];
+    for (let n = walker.nextNode(); n; n = walker.nextNode()) {
+      if (n.nodeValue.trim() && !n.parentElement.closest(skip)) nodes.push(n.nodeValue);
+    }
+    return nodes;
+  })(),
 })"""
+# A backslash lost on the way into a formula: "\t" (\text, \times), "\f" (\frac), "\b" (\beta), "\r" (\rho), "\a"
+# (\alpha), "\v" (\varepsilon) read as an escape, leaving a control character and the command's tail.
+LOST_BACKSLASH = re.compile(r"[\t\x07\x08\x0b\x0c\r]|(?<!\\t)ext\{|(?<!\\f)rac\{")
+# TeX in the prose that no formula took up: $...$ that MyST did not parse, \( \[ delimiters, bare commands.
+RAW_TEX = re.compile(r"\$[^$\s](?:[^$]*[^$\s])?\$|\\[()\[\]]|\\(?:begin|end|text|frac|mathrm|mathbf|sum|mid|sim|le|ge|"
+                     r"cdot|times|alpha|beta)\b|(?<!\\t)\bext\{|\S\t|\t\S")
+
+
+CONTROL_NAMES = {"\t": "<TAB>", "\x07": "<BEL>", "\x08": "<BS>", "\x0b": "<VT>", "\x0c": "<FF>", "\r": "<CR>"}
+
+
+def _shown(text: str) -> str:
+    """``text`` with its control characters named: what a lost backslash left is visible in a failure message."""
+    return "".join(CONTROL_NAMES.get(c, c) for c in text)
 
 
 @dataclass
@@ -55,6 +95,17 @@ class PageReport:
     failed_requests: list[str] = field(default_factory=list)  # 4xx/5xx responses and requests that failed to load
     requests: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
+
+    def math_problems(self) -> list[str]:
+        """Formulas that did not render as written, and TeX left as text; empty when every formula is typeset."""
+        p = self.probe
+        problems = [f"{p['math_rendered']} of {p['math_source']} formulas typeset"] if (
+            p["math_rendered"] != p["math_source"]) else []
+        problems += [f"{p['math_errors']} MathJax error node(s) (mjx-merror)"] if p["math_errors"] else []
+        problems += [f"MathJax could not typeset {tex!r}" for tex in p["tex_failed"]]
+        problems += [f"a lost backslash in the formula {_shown(tex)}" for tex in p["tex"] if LOST_BACKSLASH.search(tex)]
+        problems += [f"TeX left as text: {_shown(text.strip()[:160])}" for text in p["prose"] if RAW_TEX.search(text)]
+        return problems
 
     def offsite(self, *allowed_prefixes: str) -> list[str]:
         """Requests for anything outside the site (data: URLs are inline, not requests for anything)."""
@@ -186,18 +237,49 @@ async def _hover_heatmap(s: _Session) -> str:
                             ".join(' | ')")
 
 
+def in_ci(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this is a CI run: ``CI`` set to anything but empty, 0, false or no."""
+    value = (os.environ if env is None else env).get("CI", "")
+    return value.strip().lower() not in ("", "0", "false", "no")
+
+
+def unavailable(reason: str, env: Mapping[str, str] | None = None) -> NoReturn:
+    """End a browser test that cannot run: a failure in CI, a skip with the reason elsewhere."""
+    if in_ci(env):
+        pytest.fail(f"{reason}; CI is set, where the browser tests must run, not skip", pytrace=False)
+    pytest.skip(reason)
+
+
 @contextmanager
-def chromium(profile: Path):
+def browser_or_unavailable(profile: Path, executable: str | None = CHROMIUM,
+                           env: Mapping[str, str] | None = None) -> Iterator[str]:
+    """:func:`chromium`, or :func:`unavailable` when there is none or it does not start."""
+    if executable is None:
+        unavailable("needs headless Chromium (apt-get install -y chromium; `make test` installs it when run as root)",
+                    env)
+    with ExitStack() as stack:
+        try:
+            ws = stack.enter_context(chromium(profile, executable))
+        except (OSError, RuntimeError) as error:  # not found, not executable, exited before its DevTools port opened
+            unavailable(f"headless Chromium ({executable}) did not start: {error}", env)
+        yield ws  # outside the try: a failure in the test itself is the test's, never "did not start"
+
+
+@contextmanager
+def chromium(profile: Path, executable: str | None = CHROMIUM):
     """A headless Chromium with remote debugging on a free port; yields its browser websocket URL."""
-    process = subprocess.Popen([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "--remote-debugging-port=0",
+    process = subprocess.Popen([executable, *FLAGS, f"--user-data-dir={profile}", "--remote-debugging-port=0",
                                 "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
+        said = []  # what it logged before exiting, for the error
         for line in process.stderr:
             match = re.search(r"DevTools listening on (ws://\S+)", line)
             if match:
                 break
+            said = [*said[-4:], line.strip()]
         else:
-            raise RuntimeError(f"chromium exited ({process.wait()}) before opening its DevTools port")
+            raise RuntimeError(f"chromium exited ({process.wait()}) before opening its DevTools port: "
+                               + (" | ".join(said) or "it logged nothing"))
         # Keep reading its log, or a full pipe would stall the browser.
         threading.Thread(target=lambda: [None for _ in process.stderr], daemon=True).start()
         yield match.group(1)

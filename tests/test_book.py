@@ -15,10 +15,12 @@ from pathlib import Path
 import papermill
 import pytest
 import yaml
-from browser import CHROMIUM, chromium, visit
+import nbformat
+from browser import browser_or_unavailable, unavailable, visit
 
-from cel_utils.cli import main
-from cel_utils.config import RunConfig
+from cel_utils.book.build import THEORY_NOTEBOOKS, BookPaths, execute_theory, toc_dict
+from cel_utils.cli import main, parser
+from cel_utils.config import DEFAULT_MODEL, RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
 MIRROR = Path(os.environ.get("CEL_DATA_DIR") or REPO.parent / "shared" / "data")
@@ -27,8 +29,7 @@ RUN = "random-llama-tiny__arithmetic_2da__seed0"
 PAGES = {"results": "book/results.html", "run": f"book/runs/{RUN}.html",
          "derivation": "book/theory/theory_derivation.html", "simulation": "book/theory/theory_simulation.html",
          "reading group": "book/reading_group.html"}
-needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="needs headless Chromium (apt-get install -y chromium; "
-                                                             "`make test` installs it when run as root)")
+TCP_WARNING = "Kernel is running over TCP without encryption"
 
 
 def book_root(root: Path) -> Path:
@@ -90,6 +91,9 @@ def test_prose_numbers_come_from_the_data_and_the_code(built):
     facts = book_facts(REPO)
     intro = text_of((built / "book" / "intro.html").read_text())
     assert f"from {facts['paper_best_full']}% to {facts['paper_best_ablated']}%" in intro and "{{" not in intro
+    for preset in ("paper", "cpu"):  # `main` with no model named, on a GPU and on a CPU: the model the intro names
+        assert parser().parse_args(["main", "--preset", preset]).models == [DEFAULT_MODEL]
+    assert f"by default on one model small enough for a laptop, {DEFAULT_MODEL} " in intro.lower()
     beyond = text_of((built / "book" / "beyond.html").read_text())
     assert f"the cpu preset {facts['cpu_random_sets']} random sets and {facts['cpu_resamples']} resamples" in beyond
     method = text_of((built / "book" / "method.html").read_text())
@@ -100,6 +104,78 @@ def test_prose_numbers_come_from_the_data_and_the_code(built):
     assert "about 95%" not in simulation
     derivation = text_of((built / "book" / "theory" / "theory_derivation.html").read_text())
     assert "Thm 4.3 after deleting the U-only head, R_A -> 0" in derivation
+
+
+def toc_pages(built: Path) -> list[str]:
+    """The HTML file of every page the table of contents lists, as the book's toc expands it (runs included)."""
+    def files(entries: list[dict]) -> list[str]:
+        return [name for e in entries
+                for name in ([e["file"]] if "file" in e else []) + files(e.get("chapters", []) + e.get("sections", []))]
+
+    toc = toc_dict(BookPaths(root=built.parent.parent))
+    return [name.removesuffix(".ipynb").removesuffix(".md") + ".html" for name in [toc["root"], *files(toc["parts"])]]
+
+
+def test_published_pages_carry_no_path_of_the_machine_that_built_them(built):
+    """Not the book root the run wrote its artifacts under, the checkout, the data mirror or the home folder: in no
+    page, and in no notebook shipped for download (_sources/); the run's own settings are still shown."""
+    machine = [str(built.parent.parent), str(REPO), str(Path.home()), *([DATA_DIR] if DATA_DIR else [])]
+    found = {}
+    for path in built.rglob("*"):
+        if path.is_file() and "_static" not in path.relative_to(built).parts:
+            text = path.read_text(errors="replace")
+            hits = [place for place in machine if place in text]
+            if hits:
+                found[path.relative_to(built).as_posix()] = hits
+    assert not found, found
+    run_page = "".join(text_of((built / PAGES["run"]).read_text()).split())  # highlighted code: tokens apart
+    assert 'model="random:llama:tiny"task="arithmetic_2da"seed=0preset="smoke"config={"engine":"naive"}' in run_page
+    shipped = nbformat.read(built / "_sources" / "book" / "runs" / f"{RUN}.ipynb", as_version=4)
+    assert shipped.metadata.papermill.parameters["config"] == {"engine": "naive"}
+
+
+def test_publishable_keeps_the_runs_settings_in_order_and_drops_the_machines_paths(tmp_path):
+    from papermill.translators import translate_parameters
+
+    from cel_utils.book.build import publishable
+
+    page, checkout = tmp_path / "book" / "runs" / "m__t__seed0.ipynb", tmp_path.parent / "elsewhere" / "checkout"
+    parameters = {"model": "m", "task": "t", "seed": 0, "config": {"p": 3, "results_dir": str(tmp_path / "results"),
+                                                                   "data_dir": "/mirror/data"}}
+    injected = nbformat.v4.new_code_cell(translate_parameters("python3", "python", parameters, "Parameters"),
+                                         metadata={"tags": ["injected-parameters"]})
+    notebook = nbformat.v4.new_notebook(cells=[injected], metadata={
+        "kernelspec": {"name": "python3", "language": "python", "display_name": "Python 3"},
+        "papermill": {"input_path": str(checkout / "notebooks" / "cel_run.ipynb"), "output_path": str(page),
+                      "parameters": parameters}})
+    page.parent.mkdir(parents=True)
+    nbformat.write(notebook, page)
+    assert publishable(page, tmp_path)
+    shown = nbformat.read(page, as_version=4)
+    assert shown.cells[0].source.splitlines()[1:] == ['model = "m"', 'task = "t"', "seed = 0", 'config = {"p": 3}']
+    assert shown.metadata.papermill.parameters == {"model": "m", "task": "t", "seed": 0, "config": {"p": 3}}
+    assert (shown.metadata.papermill.input_path, shown.metadata.papermill.output_path) == (
+        "cel_run.ipynb", "book/runs/m__t__seed0.ipynb")  # outside the book: the name only; inside: from its root
+    assert not publishable(page, tmp_path)  # already published: unchanged
+
+
+def test_theory_notebooks_run_without_the_unencrypted_kernel_warning(tmp_path, capfd):
+    """`make book` executes the theory notebooks through execute_theory; the kernel it starts must not warn that its
+    traffic is unencrypted (the run notebooks' kernels already do not: cel_utils.grid.kernel)."""
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1 + 1")],
+                                        metadata={"kernelspec": {"name": "python3", "language": "python",
+                                                                 "display_name": "Python 3"}})
+    for name in THEORY_NOTEBOOKS:
+        nbformat.write(notebook, notebooks / f"{name}.ipynb")
+    papermill.execute_notebook(str(notebooks / f"{THEORY_NOTEBOOKS[0]}.ipynb"), str(tmp_path / "plain.ipynb"),
+                               progress_bar=False)
+    if TCP_WARNING not in capfd.readouterr().err:  # papermill's defaults: the warning this test is about
+        pytest.skip("this ipykernel does not warn about unencrypted TCP")
+    result = execute_theory(BookPaths(root=tmp_path), "run")
+    assert result.executed == list(THEORY_NOTEBOOKS) and not result.failed, result
+    assert TCP_WARNING not in capfd.readouterr().err
 
 
 def test_site_references_nothing_outside_itself(built):
@@ -163,10 +239,28 @@ def test_pages_workflow_builds_the_book_and_deploys_it():
 
 @pytest.fixture(scope="module")
 def browser_ws(tmp_path_factory):
-    if CHROMIUM is None:
-        pytest.skip("needs headless Chromium (apt-get install -y chromium)")
-    with chromium(tmp_path_factory.mktemp("chromium-profile")) as ws:
+    """Headless Chromium; missing or failing to start, a failure in CI and a skip elsewhere (browser.unavailable)."""
+    with browser_or_unavailable(tmp_path_factory.mktemp("chromium-profile")) as ws:
         yield ws
+
+
+def test_a_browser_that_cannot_run_fails_in_ci_and_skips_elsewhere(tmp_path):
+    for env in ({"CI": "true"}, {"CI": "1"}):
+        with pytest.raises(pytest.fail.Exception, match="no browser here.*CI is set"):
+            unavailable("no browser here", env)
+    for env in ({}, {"CI": ""}, {"CI": "false"}):
+        with pytest.raises(pytest.skip.Exception, match="no browser here"):
+            unavailable("no browser here", env)
+    with pytest.raises(pytest.fail.Exception, match="needs headless Chromium"):  # not installed
+        with browser_or_unavailable(tmp_path / "none", executable=None, env={"CI": "true"}):
+            pass
+    for broken in (str(tmp_path / "no-such-chromium"), shutil.which("false")):  # not there; exits before its port opens
+        with pytest.raises(pytest.fail.Exception, match="did not start"):
+            with browser_or_unavailable(tmp_path / "profile", executable=broken, env={"CI": "true"}):
+                pass
+        with pytest.raises(pytest.skip.Exception, match="did not start"):
+            with browser_or_unavailable(tmp_path / "profile", executable=broken, env={}):
+                pass
 
 
 def report_line(name: str, report) -> str:
@@ -177,16 +271,22 @@ def report_line(name: str, report) -> str:
 
 
 @pytest.mark.browser
-@needs_chromium
-def test_offline_pages_render_math_and_figures_without_errors(built, browser_ws):
-    lines = []
-    for name, page in PAGES.items():
+def test_offline_pages_render_math_and_figures_without_errors(browser_ws, built):  # no browser: no book built
+    """Every page of the table of contents (runs included), opened offline: no errors, every formula typeset as
+    written and no TeX left as text; the pages in PAGES also show what they are for."""
+    pages = toc_pages(built)
+    assert set(PAGES.values()) <= set(pages), sorted(set(PAGES.values()) - set(pages))
+    names = {page: name for name, page in PAGES.items()}
+    lines, broken = [], {}
+    for page in pages:
+        name = names.get(page, page.removeprefix("book/").removesuffix(".html"))
         report = visit(browser_ws, (built / page).as_uri(), hover_heatmap=(name == "run"))
         lines.append(report_line(name, report))
-        assert report.console_errors == [], (name, report.console_errors)
-        assert report.failed_requests == [] and report.offsite("file://") == [], (name, report.failed_requests)
-        assert report.probe["math_rendered"] == report.probe["math_source"] and report.probe["math_errors"] == 0, name
-        assert all(ok for _, ok in report.probe["images"]), (name, report.probe["images"])
+        problems = report.math_problems() + report.console_errors + report.failed_requests + report.offsite("file://")
+        problems += [f"image not loaded: {src}" for src, ok in report.probe["images"] if not ok]
+        if problems:
+            broken[page] = problems
+            continue
         if name in ("derivation", "simulation"):
             assert report.probe["math_rendered"] > 20, name  # MathJax typeset the page's formulas
         if name in ("run", "simulation"):
@@ -196,6 +296,7 @@ def test_offline_pages_render_math_and_figures_without_errors(built, browser_ws)
             assert re.search(r"L\d+\.H\d+discovery gain [+-]\d+\.\d\d pointsharm \d+, help \d+", hover), hover
         if name == "results":
             assert "70.40 -> 83.50 (+13.10), 44.26%" in text_of((built / page).read_text())
+    assert not broken, broken
     print("\noffline browser check (headless Chromium, no network):\n" + "\n".join(lines))
 
 
@@ -205,8 +306,7 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
 
 
 @pytest.mark.browser
-@needs_chromium
-def test_site_served_from_a_sub_path_loads_every_page_and_asset(built, browser_ws, tmp_path):
+def test_site_served_from_a_sub_path_loads_every_page_and_asset(browser_ws, built, tmp_path):
     """GitHub Pages serves a project site under /<repo>/: every page, and everything each page loads, must resolve."""
     served = tmp_path / "www"
     served.mkdir()

@@ -10,11 +10,14 @@ Layout (paths relative to the book root, the folder holding ``_config.yml``)::
     results/<model>__<task>__seed<N>.json      run artifacts (git-ignored)
     results/failed/                  executed notebooks (and artifacts) of failed runs, for debugging only
 
-The book renders executed notebooks as they are; it never re-executes them (see ``_config.yml``).
+The book renders executed notebooks as they are; it never re-executes them (see ``_config.yml``). Only the paths of
+the machine that executed them are taken out first (:func:`publishable`): a published page shows the run's settings,
+not where its artifacts were written.
 """
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -150,6 +153,8 @@ def execute_theory(paths: BookPaths, mode: str = "reuse", kernel_name: str = "py
     """
     import papermill as pm
 
+    from cel_utils.grid.kernel import papermill_options  # encrypted kernel traffic, as for the runs: no TCP warning
+
     if mode not in THEORY_MODES:
         raise ValueError(f"unknown theory mode {mode!r}: choose from {THEORY_MODES}")
     result = TheoryResult()
@@ -169,7 +174,8 @@ def execute_theory(paths: BookPaths, mode: str = "reuse", kernel_name: str = "py
         handle, staging = tempfile.mkstemp(prefix=f".{name}.", suffix=".ipynb", dir=paths.theory_dir)
         os.close(handle)
         try:
-            pm.execute_notebook(str(source), staging, kernel_name=kernel_name, progress_bar=False, cwd=str(paths.root))
+            pm.execute_notebook(str(source), staging, kernel_name=kernel_name, progress_bar=False, cwd=str(paths.root),
+                               **papermill_options())
         except Exception as error:  # noqa: BLE001 - reported, and the other notebook still runs
             paths.failed_dir.mkdir(parents=True, exist_ok=True)
             os.replace(staging, paths.failed_dir / f"{name}.ipynb")
@@ -180,6 +186,68 @@ def execute_theory(paths: BookPaths, mode: str = "reuse", kernel_name: str = "py
     return result
 
 
+# Settings whose values are places on the machine that executed a notebook (where it wrote its artifacts, where it read
+# its data mirror): a published page must not carry them, and a reader who reruns its parameters gets their own.
+MACHINE_SETTINGS = ("results_dir", "data_dir")
+PARAMETERS_COMMENT = "Parameters (without results_dir and data_dir: places on the machine that ran it)"
+
+
+def public_parameters(parameters: dict) -> dict:
+    """A notebook's papermill parameters without :data:`MACHINE_SETTINGS` (in the ``config`` dict of a run)."""
+    public = {key: value for key, value in parameters.items() if key not in MACHINE_SETTINGS}
+    if isinstance(public.get("config"), dict):
+        public["config"] = {key: value for key, value in public["config"].items() if key not in MACHINE_SETTINGS}
+    return public
+
+
+def _book_relative(path: str, root: Path) -> str:
+    """An absolute ``path`` relative to the book root when it lies inside it, else only its file name; a relative one
+    (already made so) as it is."""
+    if not Path(path).is_absolute():
+        return path
+    resolved = Path(path).resolve()
+    return resolved.relative_to(root).as_posix() if resolved.is_relative_to(root) else resolved.name
+
+
+def publishable(notebook: Path, root: Path) -> bool:
+    """Take the executing machine's paths out of an executed notebook, which the book shows (and ships in
+    ``_sources/`` for download): its injected-parameters cell is written again, by papermill's own translator, from
+    :func:`public_parameters`, and papermill's record of its input and output paths is made relative to the book.
+    Idempotent; returns whether the notebook changed."""
+    import nbformat
+    from papermill.translators import translate_parameters
+
+    from cel_utils.paths import atomic_write
+
+    nb = nbformat.read(notebook, as_version=4)
+    before = nbformat.writes(nb)
+    record = nb.metadata.get("papermill", {})
+    for key in ("input_path", "output_path"):
+        if record.get(key):
+            record[key] = _book_relative(record[key], Path(root).resolve())
+    if "parameters" in record:
+        record["parameters"] = public_parameters(record["parameters"])
+        kernel = nb.metadata.get("kernelspec", {})
+        for cell in nb.cells:
+            if "injected-parameters" in cell.metadata.get("tags", []):
+                # in the cell's own order (the notebook's); the stored record's keys are sorted
+                order = re.findall(r"^(\w+)\s*=", cell.source, flags=re.M)
+                public = record["parameters"]
+                shown = {**{key: public[key] for key in order if key in public}, **public}
+                cell.source = translate_parameters(kernel.get("name"), kernel.get("language", "python"), shown,
+                                                   PARAMETERS_COMMENT).rstrip("\n")
+    after = nbformat.writes(nb)
+    if after != before:
+        atomic_write(notebook, after)
+    return after != before
+
+
+def executed_pages(paths: BookPaths) -> list[Path]:
+    """Every executed notebook the toc's globs may pick up (runs, strategies, theory)."""
+    return sorted(p for folder in GENERATED_FOLDERS for p in (paths.root / folder).glob("*.ipynb")
+                  if not p.name.startswith("."))
+
+
 def jupyter_book_command(root: Path, extra: list[str] | None = None) -> list[str]:
     executable = Path(sys.executable).parent / "jupyter-book"
     command = [str(executable)] if executable.exists() else [sys.executable, "-m", "jupyter_book.cli.main"]
@@ -187,5 +255,8 @@ def jupyter_book_command(root: Path, extra: list[str] | None = None) -> list[str
 
 
 def build_html(paths: BookPaths, extra: list[str] | None = None) -> subprocess.CompletedProcess:
-    """`jupyter-book build <root> -W -n --keep-going`; its output streams through to the caller's terminal."""
+    """`jupyter-book build <root> -W -n --keep-going`, once every executed page is :func:`publishable`; its output
+    streams through to the caller's terminal."""
+    for page in executed_pages(paths):
+        publishable(page, paths.root)
     return subprocess.run(jupyter_book_command(paths.root, extra), cwd=paths.root)
