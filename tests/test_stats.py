@@ -244,6 +244,25 @@ def test_the_results_page_places_the_papers_gains_against_each_runs_interval_and
     assert "How often these holdouts were looked at" in page and "after an earlier main job had scored" in page
 
 
+def test_a_page_words_the_verdict_from_the_artifacts_numbers_not_its_stored_text():
+    """An artifact written before the verdicts were corrected stores "no effect larger than 2.9 points"; its pages
+    must say what its interval supports."""
+    from test_report import make_artifact
+
+    from cel_utils.book import run_page
+
+    artifact = make_artifact(task="hellaswag", full=0.4, ablated=0.416, n_items=500)
+    artifact["reliability"] = {
+        "significance": {"gain_points": 1.6, "ci_low": -0.4, "ci_high": 3.6, "p_value": 0.18, "confidence": 0.95},
+        "power": {"alpha": 0.05, "power": 0.8, "n_items": 500, "n_discordant": 26, "min_detectable_gain_points": 2.9},
+        "verdict": {"kind": "no effect", "text": "no effect larger than 2.9 points either way"}}
+    text = run_page.verdict_of(artifact)["text"]
+    assert "no effect larger" not in text and "effects outside [-0.4, +3.6] points are ruled out" in text
+    del artifact["reliability"]["significance"], artifact["reliability"]["power"]
+    artifact["holdout"].pop("full_correct", None)
+    assert run_page.verdict_of(artifact)["text"].startswith("no effect larger")  # no numbers: the stored words
+
+
 def test_a_calibration_baseline_that_failed_on_the_holdout_is_not_a_baseline_beaten():
     from cel_utils.book.results_page import calibration_text
 

@@ -173,13 +173,13 @@ def power_of(artifact: dict) -> dict | None:
 
 
 def verdict_of(artifact: dict) -> dict | None:
-    """The run's one-line verdict (:func:`cel_utils.stats.power.verdict`): stored, or computed for older artifacts."""
+    """The run's one-line verdict (:func:`cel_utils.stats.power.verdict`), worded by the code that builds the page from
+    the artifact's numbers, so that a page never repeats wording since found to claim more than the numbers support;
+    the stored text only where the numbers are missing."""
     rel = artifact.get("reliability") or {}
-    if rel.get("verdict"):
-        return rel["verdict"]
     sig, power = significance(artifact), power_of(artifact)
     if sig is None or power is None:
-        return None
+        return rel.get("verdict")
     from cel_utils.stats.power import verdict
 
     return verdict(sig, power, rel.get("calibration"))
@@ -230,9 +230,12 @@ def reliability_table(artifact: dict) -> pd.DataFrame:
             f"none: only {power['n_discordant']} of {power['n_items']} answers changed")
     if rel.get("calibration"):
         cal, versus = rel["calibration"], rel["calibration"]["ablation_vs_calibration"]
+        kept = (f"{cal['n_groups']} group(s) kept by {cal['folds']}-fold cross-validation" if "n_groups" in cal
+                else "every group")
         rows["calibration baseline (offsets fitted on discovery)"] = (
-            f"{100 * cal['holdout_accuracy']:.1f}% on the holdout ({cal['holdout_gain_points']:+.2f} points); ablation "
-            f"minus calibration {versus['gain_points']:+.2f}, McNemar {p_is(versus['p_value'])}")
+            f"{100 * cal['holdout_accuracy']:.1f}% on the holdout ({cal['holdout_gain_points']:+.2f} points; {kept})"
+            + ("" if cal["holdout_gain_points"] <= 0 else
+               f"; ablation minus calibration {versus['gain_points']:+.2f}, McNemar {p_is(versus['p_value'])}"))
     if rel.get("winners_curse"):
         c = rel["winners_curse"]
         rows["discovery gain -> holdout gain"] = f"{c['discovery_gain_points']:+.2f} -> {c['holdout_gain_points']:+.2f} (gap {c['gap_points']:+.2f})"
