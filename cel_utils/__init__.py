@@ -8,7 +8,7 @@ The subpackages are layers; each imports only from the ones above it in this lis
     tasks/             task specs, data and splits, prompts, decisions and metrics
     evaluation/        the task-kind registry, evaluators (naive and the exact engine), generation, store, sandbox
     search/            ranking, Algorithm 1, attribution patching, other search strategies
-    config             RunConfig: every run setting, declared once (checked against the layers above), and presets
+    config, presets    RunConfig: every run setting, declared once (checked against the layers above); the presets' tables
     stats/             significance, the random-set null and stability of a run
     pipeline/          one run end to end (run_cel), its artifact and examples, strategies runs, export
     book/              pages from artifacts (run page, results page, plots), titles, the book build

@@ -149,7 +149,8 @@ def _plan(args, config_class: type = RunConfig, **where):
     paths = _paths(args)
     where = {"runs_dir": paths.runs_dir, "results_dir": paths.results_dir, "cwd": paths.root, **where}
     try:
-        return grid.plan(args.models, args.tasks or default_tasks(args.preset), args.seeds, args.preset,
+        tasks = args.tasks or default_tasks(args.preset, where.get("cuda"))  # `auto`: for where the cells run
+        return grid.plan(args.models, tasks, args.seeds, args.preset,
                          config_class=config_class, **where, **given_settings(args, config_class))
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -164,7 +165,9 @@ def cmd_grid(args) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    cells = _plan(args, notebook=args.notebook or grid.DEFAULT_NOTEBOOK)
+    # Slurm jobs run on other machines: those asking for a GPU have CUDA there, whatever the submitting node has.
+    cuda = slurm.gpus_per_node > 0 if args.executor == "slurm" else None
+    cells = _plan(args, notebook=args.notebook or grid.DEFAULT_NOTEBOOK, cuda=cuda)
     if cells is None:
         return 2
     paths = _paths(args)

@@ -7,12 +7,13 @@ changes results. Everything else is derived from it:
 * the run notebook's input: ``model``, ``task``, ``seed``, ``preset`` and one ``config`` dict of any other setting,
   turned into a checked configuration by :func:`from_notebook` (a setting passed on its own is refused, never
   silently dropped);
-* what ``--skip-existing`` compares (:func:`result_settings`) and the ``config`` section of every artifact;
+* what ``--skip-existing`` compares (:func:`result_settings`; beside them it compares the weights and the data
+  source the artifact's run read, :func:`cel_utils.grid.cells.same_inputs`) and every artifact's ``config`` section;
 * the checks: :meth:`RunConfig.validate` checks every field by its declared type, bounds and choices, then what
   involves several fields or the machine. It only checks; folders are created when something is written.
 
-Presets (:data:`PRESETS`) are data: partial configurations per task family, applied by :meth:`RunConfig.from_dict`
-on the machine where the run happens (so ``auto`` means "paper with CUDA, else cpu" *there*, not where a Slurm job
+Presets (:data:`PRESETS`, tabled in :mod:`cel_utils.presets`) are data: partial configurations per task family,
+applied by :meth:`RunConfig.from_dict` on the machine where the run happens (so ``auto`` means "paper with CUDA, else cpu" *there*, not where a Slurm job
 was submitted). Values given explicitly win over the preset's.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from cel_utils.checks import check_int
+from cel_utils.presets import PRESET_TASKS, PRESETS, RUN_MINUTES, TASK_FAMILIES  # noqa: F401 (re-exported)
 from cel_utils.search.screening import DECISION_SCREENS, SCREENS
 from cel_utils.tasks.prompts import BOS_POLICIES, FORMATS
 
@@ -125,8 +127,10 @@ class RunConfig:
         task = values.get("task", _default(cls, "task"))
         return cls(**{**preset_values(preset, task), **values, "preset": preset})
 
-    def validate(self) -> "RunConfig":
-        """Cheap checks that catch bad input before any model or data is loaded; creates nothing."""
+    def validate(self, here: bool = True) -> "RunConfig":
+        """Cheap checks that catch bad input before any model or data is loaded; creates nothing. ``here=False``: the
+        run happens on another machine (a Slurm job), so the device is only checked to be a device's name; whether it
+        exists there is checked by the job when it starts (a login node without a GPU submits GPU jobs)."""
         for f in dataclasses.fields(self):
             check_setting(type(self), f.name, getattr(self, f.name))
         from cel_utils.models.loading import check_model_spec, resolve_device, resolve_dtype
@@ -138,7 +142,7 @@ class RunConfig:
         check_model_spec(self.model)
         get_task(self.task)
         check_search_params(self.p, self.k, 10**9)  # the head count is checked once the model is loaded
-        resolve_dtype(self.dtype, resolve_device(self.device))
+        resolve_dtype(self.dtype, resolve_device(self.device) if here else device_name(self.device))
         if self.attn_implementation == "flash_attention_2":
             import importlib.util
 
@@ -185,8 +189,8 @@ class StrategiesConfig(RunConfig):
     attribution_candidates: int | None = setting(None, "heads the attribution screen passes to exact evaluation "
                                                  "(none: p; at least p)", minimum=1)
 
-    def validate(self) -> "StrategiesConfig":
-        super().validate()
+    def validate(self, here: bool = True) -> "StrategiesConfig":
+        super().validate(here)
         if self.attribution_candidates is not None and self.attribution_candidates < self.p:
             raise ValueError(f"attribution_candidates must be at least p = {self.p} (the pool is drawn from them), "
                              f"got {self.attribution_candidates}")
@@ -247,69 +251,26 @@ def check_setting(cls: type, name: str, value: Any) -> None:
 
 # --- presets -------------------------------------------------------------------------------------------------------
 
-# Partial configurations per preset and task family ("*": every family; a family's row adds to it). "arithmetic" also
-# covers the single configs (arithmetic_2da, ...).
-# cpu: a laptop-sized demonstration of the whole protocol on the default model (measured wall times in README.md).
-#   Arithmetic runs 3-shot: SmolLM2-135M-Instruct echoes the question at 0-shot (0.8% on the pooled configs) and gets
-#   0% of the 3- to 5-digit configs at 3-shot; on 40 items per config at 3-shot it reached 1dc 12%, 2dm 8%, 2da 5%,
-#   the rest 0-2% (chat format: 0-5%), so the cpu default task is arithmetic_1dc (5.2% on 500 items). MBPP decodes
-#   about 1.1 s per item and intervention on 2 cores (stage 1 is 271 interventions), so its discovery set is tiny.
-#   The null and the resamples are kept to a few, so that they add about a fifth to a cell's time.
-# paper: the paper's Table 3 sizes with p=10, k=3 (the RunConfig defaults), for a GPU.
-# quick: the run notebook's default, a few minutes on a laptop. smoke: seconds per cell with a random tiny model.
-PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "cpu": {
-        # Sized for `make book` (all four tasks, two at a time) in an hour on two cores; measured 46 min, an estimated
-        # 62-65 on the slowest 2-core machine seen (README).
-        # The screen and m per task are the ones that froze exhaustive stage 1's set in benchmarks/bench_screening.py
-        # (README, "Screened stage 1 against exhaustive search").
-        # The random sets are scored on the holdout's first 125 items: 4 sets there cost half of 2 on all 500 and can
-        # reach p = 0.2 rather than 0.33.
-        "*": dict(n_discovery=128, n_holdout=500, p=3, k=2, stage1="screened", screen="attribution", screen_keep=8,
-                  n_random_sets=4, null_items=125, n_resamples=0),
-        # arithmetic's items are short and share a 3-shot prefix: it can afford p=5 and the stability resamples; on it
-        # attribution ranks heads by margin changes far from the decision boundary, so it needs the boundary screen
-        "arithmetic": dict(num_fewshot=3, p=5, screen="boundary", screen_candidates=60, screen_items=12,
-                           screen_keep=10, n_resamples=2),
-        # attribution holds BoolQ's exact top 3 from m = 20 (at m = 8 it misses one and freezes another set)
-        "boolq": dict(screen_keep=20),
-        # pass@1 has no margin: the screen attributes the reference solution's likelihood; every evaluation generates
-        "mbpp": dict(n_discovery=32, n_holdout=100, max_new_tokens=96, screen_keep=3, p=2, n_random_sets=0),
-    },
-    "paper": {"*": dict(batch_size=32)},
-    "quick": {
-        "*": dict(n_discovery=32, n_holdout=100, p=5, k=2, stage1="screened", screen="attribution", screen_keep=10,
-                  n_random_sets=2, n_resamples=2),
-        "arithmetic": dict(num_fewshot=3),
-        "mbpp": dict(n_discovery=4, n_holdout=10, p=3, screen_keep=5, max_new_tokens=96),
-    },
-    "smoke": {
-        "*": dict(n_discovery=6, n_holdout=8, p=3, k=2, max_new_tokens=32, n_random_sets=3, n_resamples=3),
-        "mbpp": dict(n_discovery=2, n_holdout=3),
-    },
-    "none": {},
-}
-TASK_FAMILIES = ("arithmetic", "boolq", "hellaswag", "mbpp")
-# The tasks a grid runs when none are named. The paper pools the 10 arithmetic configs; on CPU the default model is
-# only non-degenerate on single configs like 1dc (see the cpu rows above).
-PRESET_TASKS = {"cpu": ("arithmetic_1dc", "boolq", "hellaswag", "mbpp"), "paper": TASK_FAMILIES,
-                "quick": ("arithmetic_1dc", "boolq", "hellaswag", "mbpp"), "smoke": TASK_FAMILIES, "none": TASK_FAMILIES}
-
-
-# Minutes each cpu-preset run of the default model took in `make book`, two at a time (README, at 61abcd7).
-# Only their order is used: the local pool starts the longest runs first (cel_utils.grid.executors.start_order).
-RUN_MINUTES = {"cpu": {"boolq": 30.0, "hellaswag": 25.7, "mbpp": 14.4, "arithmetic": 13.8}}
-
-
-def resolve_preset(name: str = "auto") -> str:
-    """``auto``: ``paper`` when CUDA is available here, else ``cpu``."""
+def resolve_preset(name: str = "auto", cuda: bool | None = None) -> str:
+    """``auto``: ``paper`` where the run happens has CUDA, else ``cpu``; ``cuda``: whether it has (None: this machine)."""
     if name not in PRESET_NAMES:
         raise ValueError(f"unknown preset {name!r}: choose from {', '.join(PRESET_NAMES)}")
     if name == "auto":
         import torch
 
-        return "paper" if torch.cuda.is_available() else "cpu"
+        return "paper" if (torch.cuda.is_available() if cuda is None else cuda) else "cpu"
     return name
+
+
+def device_name(device: str):
+    """``device`` as a torch device (``auto``: the CPU), checked to be a device's name but not to exist here."""
+    import torch
+
+    try:
+        return torch.device("cpu" if device == "auto" else device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}: use 'auto' (CUDA if present, else CPU), 'cpu', 'cuda' or "
+                         "'cuda:<index>'") from None
 
 
 def task_family(task: str) -> str:
@@ -327,8 +288,9 @@ def expected_minutes(preset: str, task: str) -> float | None:
     return RUN_MINUTES.get(resolve_preset(preset), {}).get(task_family(task))
 
 
-def default_tasks(preset: str = "auto") -> tuple[str, ...]:
-    return PRESET_TASKS[resolve_preset(preset)]
+def default_tasks(preset: str = "auto", cuda: bool | None = None) -> tuple[str, ...]:
+    """The tasks a grid runs when none are named, for runs on a machine with CUDA or not (None: this one)."""
+    return PRESET_TASKS[resolve_preset(preset, cuda)]
 
 
 # --- the run notebook's input --------------------------------------------------------------------------------------
@@ -339,8 +301,9 @@ NOTEBOOK_PARAMETERS: dict[str, Any] = {"model": DEFAULT_MODEL, "task": "arithmet
                                        "config": {}, "progress": "bars"}  # progress: cel_utils.progress (grid cells: log)
 
 
-def from_notebook(namespace: Mapping[str, Any], cls: type = RunConfig) -> RunConfig:
-    """The configuration of a notebook run from its parameters (the notebook's globals after papermill's injection)."""
+def from_notebook(namespace: Mapping[str, Any], cls: type = RunConfig, here: bool = True) -> RunConfig:
+    """The configuration of a notebook run from its parameters (the notebook's globals after papermill's injection);
+    ``here``: see :meth:`RunConfig.validate`."""
     loose = sorted(name for name in field_names(cls) if name in namespace and name not in NOTEBOOK_PARAMETERS)
     if loose:
         raise ValueError(f"run setting(s) {loose} given as separate notebook parameters would be ignored: pass them "
@@ -351,7 +314,7 @@ def from_notebook(namespace: Mapping[str, Any], cls: type = RunConfig) -> RunCon
     clash = sorted(name for name in top if name in given and given[name] != top[name])
     if clash:
         raise ValueError(f"{clash} given both as a notebook parameter and inside `config`, with different values")
-    return cls.from_dict({**given, **top}).validate()
+    return cls.from_dict({**given, **top}).validate(here)
 
 
 # --- the command line ---------------------------------------------------------------------------------------------

@@ -45,7 +45,10 @@ def native_bf16(device: torch.device | str = "cpu") -> bool:
     the OS lists no flags, a bf16 matmul measured faster than fp32's)."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported(including_emulation=False)
+        try:
+            return torch.cuda.is_bf16_supported(including_emulation=False)
+        except (AssertionError, RuntimeError):  # no usable CUDA in this process (a CPU build, a driverless login node)
+            return False
     flags = cpu_info()["flags"]
     if flags is None:
         return bf16_time_ratio(str(device)) < 1.0

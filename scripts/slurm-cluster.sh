@@ -16,7 +16,7 @@
 # one partition, no GPUs.
 #
 # Exit status: 0 running, 1 not running (status), 2 bad usage, 77 cannot run here (not root, no apt-get, or a
-# daemon failed to start): the message says why, and the test skips.
+# daemon failed to start): the message says why, and the test skips (in CI, with CI=true, it fails instead).
 set -uo pipefail
 
 DIR=${CEL_SLURM_DIR:-/var/tmp/cel-slurm}

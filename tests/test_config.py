@@ -6,9 +6,11 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from cel_utils import config, grid
 from cel_utils.cli import main
+from cel_utils.tasks.splits import load_task_data
 
 REPO = Path(__file__).resolve().parents[1]
 MIRROR = Path(os.environ.get("CEL_DATA_DIR") or REPO.parent / "shared" / "data")
@@ -33,6 +35,7 @@ EFFECT = {  # besides the artifact's config section: where the setting shows in 
     "num_fewshot": lambda a: a["data"]["num_fewshot"] == 1,
     "bos": lambda a: a["prompt"]["bos"] is True,
     "data_dir": lambda a: a["data"]["source"] == "mirror",
+    "fmt": lambda a: a["prompt"]["format"] == "chat",
     "device": lambda a: a["model"]["device"] == "cpu",
     "dtype": lambda a: a["model"]["dtype"] == "bfloat16",
     "stage1": lambda a: a["stage1_method"]["method"] == "screened",
@@ -116,3 +119,120 @@ def test_skip_existing_reruns_when_a_result_changing_setting_differs(ran):
     for name in sorted(set(config.field_names()) - changing - IDENTITY - {"preset", "results_dir"}):
         other = {"data_dir": None, "batch_size": 8, "cache": True, "device_map": None, "token_budget": 4096}[name]
         assert grid.up_to_date(grid.with_settings(cell, **{name: other})) == artifact, name  # does not change numbers
+
+
+# Result-changing settings whose effect the run above cannot show: it is not MBPP (max_new_tokens), and its artifact
+# holds decisions, which are the same on either engine or kernel. Each changes the numbers an evaluator computes.
+def _margins(lm, data, evaluator=None):
+    from cel_utils.evaluation.engine import EngineEvaluator
+    from cel_utils.models.heads import HeadId
+
+    made = (evaluator or EngineEvaluator)(lm, data.task, data.discovery, progress=False)
+    return [o.margin.tobytes() for o in made.evaluate([(), (HeadId(0, 1),), (HeadId(2, 3),)])]
+
+
+def _kernel_changes_numbers(tiny_models, data_dir):
+    from cel_utils.models.loading import random_model
+
+    data = load_task_data("hellaswag", 4, 2, seed=0, data_dir=data_dir)
+    sdpa = tiny_models["llama"]
+    eager = random_model("llama", tokenizer=sdpa.tokenizer, device="cpu", attn_implementation="eager")
+    return _margins(sdpa, data), _margins(eager, data)
+
+
+def _engine_changes_numbers(tiny_models, data_dir):
+    from cel_utils.evaluation.evaluator import NaiveEvaluator
+
+    data = load_task_data("hellaswag", 4, 2, seed=0, data_dir=data_dir)
+    return _margins(tiny_models["llama"], data), _margins(tiny_models["llama"], data, NaiveEvaluator)
+
+
+def _max_new_tokens_changes_completions(tiny_models, data_dir):
+    from cel_utils.evaluation.engine import EngineEvaluator
+    from cel_utils.evaluation.generation import generate
+
+    lm = tiny_models["llama"]
+    data = load_task_data("mbpp", 2, 2, seed=0, num_fewshot=0, data_dir=data_dir)
+    requests = EngineEvaluator(lm, data.task, data.discovery, progress=False).requests  # as a run decodes them
+    return tuple(generate(lm, requests, (), batch_size=8, max_new_tokens=n) for n in (3, 6))
+
+
+NUMBERS = {"attn_implementation": _kernel_changes_numbers, "engine": _engine_changes_numbers,
+           "max_new_tokens": _max_new_tokens_changes_completions}
+
+
+@pytest.mark.parametrize("name", sorted(NUMBERS))
+def test_a_result_changing_setting_changes_the_numbers(name, tiny_models, data_dir):
+    one, other = NUMBERS[name](tiny_models, data_dir)
+    assert one and other and one != other, name
+
+
+# Settings declared results=False, and where a test shows that changing them changes no number (or, data_dir, that
+# --skip-existing compares what it decides instead).
+SAME_NUMBERS = {
+    "batch_size": "tests/test_determinism.py: the artifact is the same bytes at batch size 1",
+    "cache": "tests/test_determinism.py: the artifact is the same with the store on, written and read back",
+    "token_budget": "tests/test_determinism.py: stage 1 is the same at any batch size and token budget",
+    "device_map": "test_device_map_changes_no_number below",
+    "data_dir": "test_skip_existing_reruns_when_the_data_source_differs below (the source, not the path, matters)",
+}
+
+
+def test_every_setting_has_a_test_of_what_changing_it_does():
+    tested = set(EFFECT) | set(NUMBERS) | set(ELSEWHERE)
+    untested = sorted(set(config.result_settings()) - tested)
+    assert not untested, (f"result-changing setting(s) {untested} have no test that changing them changes the "
+                          "numbers or the artifact: add one to EFFECT or NUMBERS in tests/test_config.py")
+    quiet = sorted(set(config.field_names()) - set(config.result_settings()) - {"preset", "results_dir"} - set(SAME_NUMBERS))
+    assert not quiet, (f"setting(s) {quiet} are declared not to change results, with no test of that: add one and "
+                       "name it in SAME_NUMBERS in tests/test_config.py")
+
+
+def test_device_map_changes_no_number(tiny_models, data_dir, tmp_path):
+    from cel_utils.models.loading import load_model
+
+    lm = tiny_models["llama"]
+    lm.model.save_pretrained(tmp_path / "checkpoint")
+    lm.tokenizer.save_pretrained(tmp_path / "checkpoint")
+    data = load_task_data("hellaswag", 4, 2, seed=0, data_dir=data_dir)
+    whole = load_model(str(tmp_path / "checkpoint"), device="cpu")
+    spread = load_model(str(tmp_path / "checkpoint"), device="cpu", device_map="auto")
+    # (on one device transformers loads through its device-map path but records no map: nothing else to check)
+    assert _margins(spread, data) == _margins(whole, data)
+
+
+def _cell_of(values: dict, results: Path, **changed):
+    (cell,) = grid.plan([values["model"]], [values["task"]], [values["seed"]], values["preset"],
+                        runs_dir=results.parent / "book" / "runs", results_dir=results,
+                        **{k: v for k, v in {**values, **changed}.items() if k not in IDENTITY | {"preset", "results_dir"}})
+    return cell
+
+
+def test_skip_existing_reruns_when_the_data_source_differs(ran, monkeypatch):
+    values, artifact, results = ran
+    assert artifact["data"]["source"] == "mirror"
+    monkeypatch.delenv("CEL_DATA_DIR", raising=False)  # no mirror: the hub, with other splits (BoolQ's train)
+    assert grid.up_to_date(_cell_of(values, results, data_dir=None)) is None
+    monkeypatch.setenv("CEL_DATA_DIR", str(MIRROR))  # the same mirror named by the environment: the same items
+    assert grid.up_to_date(_cell_of(values, results, data_dir=None)) == artifact
+
+
+def test_skip_existing_reruns_when_the_weights_differ(tokenizer, tmp_path):
+    from cel_utils.models.loading import random_model
+
+    folder, results = tmp_path / "checkpoint", tmp_path / "results"
+    model = random_model("llama", tokenizer=tokenizer, device="cpu").model
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    args = ["grid", "--root", str(tmp_path), "--results-dir", str(results), "--models", str(folder), "--tasks",
+            "arithmetic_1dc", "--preset", "smoke", "--n-discovery", "3", "--n-holdout", "3", "--n-random-sets", "0",
+            "--n-resamples", "0", "--no-cache"]
+    assert main(args) == 0
+    (cell,) = grid.plan([str(folder)], ["arithmetic_1dc"], [0], "smoke", runs_dir=tmp_path / "book" / "runs",
+                        results_dir=results, n_discovery=3, n_holdout=3, n_random_sets=0, n_resamples=0, cache=False)
+    artifact = grid.up_to_date(cell)
+    assert artifact is not None  # unchanged: skipped
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] += 1.0
+    model.save_pretrained(folder)  # the same folder, other weights (an export with --overwrite, a training step)
+    assert grid.up_to_date(cell) is None

@@ -112,3 +112,21 @@ def test_the_source_names_the_weights_when_it_can(tiny_models):
     assert model_fingerprint(model, hub) == model_fingerprint(model, {"kind": "random"})
     gguf = [model_fingerprint(model, {"kind": "gguf", "sha256": digest}) for digest in ("1" * 64, "2" * 64)]
     assert gguf[0] != gguf[1]
+
+
+def test_a_gguf_model_is_keyed_by_what_its_dequantization_produced(checkpoint, tmp_path, monkeypatch):
+    """The same GGUF file dequantized by another transformers or gguf version may give other weights: the key follows
+    the dequantized checkpoint that was loaded, not only the GGUF file's hash."""
+    from cel_utils.models import loading
+
+    folder, model = checkpoint
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF stand-in: its hash stays the same below")
+    monkeypatch.setattr(loading, "dequantized_checkpoint", lambda path: folder)  # what dequantizing it produced
+    before = load_model(str(gguf), device="cpu")
+    assert before.source["sha256"] == loading.file_sha256(gguf)
+    change_between_samples(model)
+    model.save_pretrained(folder)  # the same file, dequantized to other weights
+    after = load_model(str(gguf), device="cpu")
+    assert after.source["sha256"] == before.source["sha256"]
+    assert after.fingerprint != before.fingerprint

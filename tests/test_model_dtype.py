@@ -163,3 +163,16 @@ def test_this_machines_cpu_is_described_and_its_bf16_cost_measured():
     ratio = bf16_time_ratio("cpu", rows=32)
     assert 0 < ratio < float("inf")
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32  # never bf16 on a CPU unless asked
+
+
+def test_asking_about_a_gpu_where_torch_has_no_cuda_is_an_answer_not_a_crash(monkeypatch):
+    """A login node that submits GPU jobs may see CUDA devices it cannot initialise (here: a CPU build of torch made to
+    report one); validating `dtype auto` for `device cuda` there must not crash."""
+    from cel_utils.hardware import native_bf16
+    from cel_utils.models.loading import resolve_dtype
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    if torch.backends.cuda.is_built():
+        pytest.skip("this torch has CUDA: the question has a real answer here")
+    assert native_bf16("cuda") is False
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.float32

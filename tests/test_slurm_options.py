@@ -153,3 +153,25 @@ def test_in_a_job_the_notebook_output_streams_to_the_log(tmp_path, capfd):
     pm.execute_notebook(str(source), str(tmp_path / "out.ipynb"), progress_bar=False, **options)
     captured = capfd.readouterr()
     assert "stage discovery 3/9" in captured.out and "stage note" in captured.err
+
+
+@pytest.mark.parametrize("ci", [None, "true"])
+def test_the_real_slurm_tests_skip_outside_ci_and_fail_in_it_when_the_cluster_cannot_start(monkeypatch, ci):
+    import subprocess
+
+    import test_slurm
+
+    if ci is None:
+        monkeypatch.delenv("CI", raising=False)
+    else:
+        monkeypatch.setenv("CI", ci)
+    said = "slurm-cluster: SKIP: slurmctld failed to start; see /var/tmp/cel-slurm/log/slurmctld.log"
+    answers = {"status": subprocess.CompletedProcess([], 1, "slurm-cluster: not running\n", ""),
+               "start": subprocess.CompletedProcess([], test_slurm.SKIP, said + "\n", "")}
+    monkeypatch.setattr(test_slurm, "_script", lambda command: answers[command])
+    monkeypatch.setattr(sys, "platform", "linux")
+    outcome = pytest.fail.Exception if ci else pytest.skip.Exception
+    with pytest.raises(outcome, match="slurmctld failed to start") as raised:
+        test_slurm.start_cluster()
+    if ci:
+        assert "CI is set, so the real-Slurm tests must run" in str(raised.value)

@@ -191,3 +191,59 @@ def test_generation_stores_completions(tiny_models, data_dir, tmp_path, monkeypa
     monkeypatch.setattr(generation, "generate", lambda *a, **k: pytest.fail("generated although stored"))
     assert make().evaluate(INTERVENTIONS[:4]) == first
     assert store.counts()["read"] == 4
+
+
+# Settings outside the model's weights that change what the evaluators compute: each must give its own context, so a
+# store filled under one is never read under another (issue 26).
+def _eager(lm, monkeypatch):
+    monkeypatch.setattr(lm.model.config, "_attn_implementation", "eager")
+
+
+def _torch_upgraded(lm, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch, "__version__", "99.0")
+
+
+def _transformers_upgraded(lm, monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "99.0")
+
+
+@pytest.mark.parametrize("change", [_eager, _torch_upgraded, _transformers_upgraded])
+@pytest.mark.parametrize("evaluator", ["engine", "naive"])
+def test_the_kernel_and_library_versions_are_in_the_key(tiny_models, hellaswag, tmp_path, monkeypatch, change, evaluator):
+    lm = tiny_models["llama"]
+    store = EvalStore(tmp_path)
+    make = {"engine": lambda: _engine(lm, hellaswag, store),
+            "naive": lambda: NaiveEvaluator(lm, hellaswag.task, hellaswag.discovery, progress=False, store=store)}[evaluator]
+    make().evaluate(INTERVENTIONS[:2])
+    make().evaluate(INTERVENTIONS[:2])
+    served = store.counts()["read"]
+    assert served > 0  # unchanged: served (the store works)
+    change(lm, monkeypatch)
+    make().evaluate(INTERVENTIONS[:2])
+    assert store.counts()["read"] == served  # computed anew under the changed setting
+    assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2
+
+
+def test_decoding_is_keyed_by_the_eos_ids_it_stops_at(tiny_models, data_dir, tmp_path, monkeypatch):
+    import dataclasses
+
+    from cel_utils.evaluation import kinds
+
+    completions_only = dataclasses.replace(kinds.KINDS["generate"], decide=lambda task, requests, completions, **kw: completions)
+    monkeypatch.setitem(kinds.KINDS, "generate", completions_only)  # the texts, not the sandbox's verdicts
+    lm = tiny_models["llama"]
+    data = load_task_data("mbpp", 2, 2, seed=0, num_fewshot=0, data_dir=data_dir)
+    store = EvalStore(tmp_path)
+    make = lambda: EngineEvaluator(lm, data.task, data.discovery, max_new_tokens=3, progress=False, store=store)  # noqa: E731
+    make().evaluate(INTERVENTIONS[:2])
+    make().evaluate(INTERVENTIONS[:2])
+    assert store.counts()["read"] == 2
+    # another eos in the generation config (a model's generation_config.json edited, or another tokenizer): decoding
+    # may stop elsewhere, so the completions stored under the old ids are not this model's
+    monkeypatch.setattr(lm.model.generation_config, "eos_token_id", [5, 7])
+    make().evaluate(INTERVENTIONS[:2])
+    assert store.counts()["read"] == 2 and store.counts()["computed"] == 4

@@ -46,7 +46,7 @@ from cel_utils.models.heads import format_heads
 from cel_utils.models.plumbing import attention_with_mask, base_model, capture_layer_outputs, start_at_layer, unembed
 from cel_utils.tasks.scoring import ContinuationStats, Outcome, continuation_stats
 
-ENGINE_VERSION = "1"
+ENGINE_VERSION = "1"  # bump when the engine's stored numbers change (tests/test_store_versions.py)
 # An item shorter than this fraction of its batch's longest starts a new batch. Small batches cost little
 # here because interventions are stacked up to the token budget anyway, while padding is computed in full:
 # BoolQ's and HellaSwag's lengths vary 4x, and batches of 8 were 36% padding.
@@ -66,6 +66,11 @@ class EngineEvaluator(Evaluator):
     """
 
     store_kind = f"engine-{ENGINE_VERSION}"
+    # What ENGINE_VERSION stands for (see Evaluator.store_sources): batching is not among them, as a batch's name is a
+    # hash of its requests, so batches cut otherwise are other records, never old numbers under a new meaning.
+    store_sources = ("cel_utils.evaluation.engine", "cel_utils.evaluation.layout", "cel_utils.evaluation.prefix",
+                     "cel_utils.evaluation.generation", "cel_utils.tasks.scoring", "cel_utils.models.ablation",
+                     "cel_utils.models.plumbing")
 
     def __init__(self, *args, token_budget: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+import torch
 
 from cel_utils.evaluation.kinds import kind_of
 from cel_utils.progress import progress_bar
@@ -29,6 +30,10 @@ class Evaluator:
     """Shared setup: requests built once; subclasses implement :meth:`_evaluate` on distinct interventions."""
 
     store_kind = "naive-1"  # names the computation in the store's key: change it whenever its numbers change
+    # The modules whose code computes what this evaluator stores: tests/test_store_versions.py records their sha256
+    # per store_kind and fails when they change while store_kind stays the same (a stale store would serve old numbers).
+    store_sources = ("cel_utils.evaluation.evaluator", "cel_utils.evaluation.generation", "cel_utils.tasks.scoring",
+                     "cel_utils.models.ablation", "cel_utils.models.plumbing")
 
     def __init__(self, lm: LoadedModel, task: TaskSpec, items: Sequence[Item], fewshot: Sequence[Item] = (), *,
                  fmt: str = "plain", bos: str = "auto", batch_size: int = 8, max_new_tokens: int = 256, exec_timeout_s: float = 10.0,
@@ -78,12 +83,24 @@ class Evaluator:
     # The store -------------------------------------------------------------------------------------------
 
     def store_fields(self) -> dict:
-        """Everything besides items and intervention that the stored numbers depend on."""
+        """Everything besides items and intervention that the stored numbers depend on.
+
+        The attention kernel and the torch and transformers versions are in it because each computes the same
+        quantity with other float rounding (sdpa against eager is ~1e-6 apart, a library upgrade can change a kernel),
+        and the store promises numbers bit for bit as a fresh run would compute them.
+        """
+        import transformers
+
         fields = {"evaluator": self.store_kind, "model": self.lm.fingerprint, "device": self.lm.device.type,
                   "dtype": str(self.lm.dtype).removeprefix("torch."), "task": self.task.name, "fmt": self.fmt,
-                  "fewshot": self.fewshot_ids}
+                  "fewshot": self.fewshot_ids,
+                  "attn_implementation": getattr(self.lm.model.config, "_attn_implementation", None),
+                  "torch": torch.__version__, "transformers": transformers.__version__}
         if not self.kind.loglikelihood:
-            fields["max_new_tokens"] = self.max_new_tokens
+            from cel_utils.evaluation.generation import _stop_ids
+
+            # where decoding stops besides the stop string: the tokenizer's and the generation config's eos ids
+            fields.update(max_new_tokens=self.max_new_tokens, stop_ids=_stop_ids(self.lm))
         return fields
 
     @property

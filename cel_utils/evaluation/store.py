@@ -5,11 +5,13 @@ continuation statistics of every request (log-likelihood tasks; exact float64 va
 completions (MBPP). The scorer runs again on them, so a changed decision rule needs no new forward pass.
 
 Keys. A *context* is everything that changes the numbers apart from the items and the intervention: the
-evaluator and its version (``cel_utils.evaluation.engine.ENGINE_VERSION``), the model's weights
-(``LoadedModel.fingerprint``), dtype, device type, task, prompt format, few-shot exemplars (and
-``max_new_tokens`` for generation). Inside a context a *batch* is named by a hash of its requests -- item ids
-and token ids, so the split, the prompt and the exemplars are all in it -- and an intervention by its head
-label (``L3.H1+L12.H0``; ``(none)`` for the full model). How the work was cut into forwards (stack size,
+evaluator and its version (``cel_utils.evaluation.engine.ENGINE_VERSION``; a test fails when the code it stands for,
+``store_sources``, changes without it), the model's weights (``LoadedModel.fingerprint``; a GGUF model's by its
+dequantized checkpoint), dtype, device type, attention kernel, the torch and transformers versions, task, prompt
+format, few-shot exemplars (and for generation ``max_new_tokens`` and the eos token ids decoding stops at).
+Inside a context a *batch* is named by a hash of its requests -- item ids and token ids, so the split, the prompt
+and the exemplars are all in it -- and an intervention by its head label (``L3.H1+L12.H0``; ``(none)`` for the
+full model). How the work was cut into forwards (stack size,
 token budget) is not in the key: a run with the same parameters cuts it the same way, and the evaluators
 store whole forwards ("chunks") at a time, so a resumed run recomputes exactly the forwards that are missing.
 
@@ -30,6 +32,7 @@ deleted with a warning and recomputed, never trusted.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import tempfile
@@ -200,6 +203,18 @@ def request_digest(request) -> bytes:
     else:  # a generation request: where it stops also changes the completion
         parts += [request.stop, request.prefix]
     return hashlib.sha256(json.dumps(parts, separators=(",", ":")).encode()).digest()
+
+
+def source_sha256(modules: Iterable[str]) -> str:
+    """sha256 of the source of ``modules`` (dotted names), each with its name: the code an evaluator's ``store_kind``
+    stands for. Line endings are normalized, so a checkout with CRLF endings hashes the same."""
+    digest = hashlib.sha256()
+    for name in modules:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.origin:
+            raise ModuleNotFoundError(f"store_sources names {name!r}, which is not an importable module: fix the name")
+        digest.update(f"{name}\0".encode() + Path(spec.origin).read_bytes().replace(b"\r\n", b"\n") + b"\0")
+    return digest.hexdigest()
 
 
 def batch_key(digests: Iterable[bytes]) -> str:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable
 
-from cel_utils.config import RunConfig, from_notebook, result_settings
+from cel_utils.config import RunConfig, from_notebook, resolve_preset, result_settings
 
 REPO_DIR = Path(__file__).resolve().parents[2]  # the checkout: notebooks/ sits beside the package
 DEFAULT_NOTEBOOK = REPO_DIR / "notebooks" / "cel_run.ipynb"
@@ -44,6 +44,9 @@ class Cell:
     kernel_name: str = "python3"
     retitle: bool = True  # give the page the run title (cel_utils.book.titles); off for the strategies pages
     config_class: type = RunConfig
+    # Whether the machine the cell runs on has CUDA, when that is another machine (a Slurm job's node, told by the GPUs
+    # it asks for); None: this one. The checks here then leave the device to the job, and `auto` presets resolve for it.
+    cuda: bool | None = None
 
     @property
     def name(self) -> str:
@@ -71,8 +74,10 @@ class Cell:
 
     def config(self, preset: str | None = None) -> RunConfig:
         """The cell's configuration as its notebook will build it, with ``preset`` in place of the requested one."""
+        if preset is None and self.parameters["preset"] == "auto" and self.cuda is not None:
+            preset = resolve_preset("auto", self.cuda)  # as the job will resolve it where it runs
         parameters = self.parameters if preset is None else {**self.parameters, "preset": preset}
-        return from_notebook(parameters, self.config_class)
+        return from_notebook(parameters, self.config_class, here=self.cuda is None)
 
 
 @dataclass
@@ -92,11 +97,12 @@ class CellResult:
 def plan(models: Iterable[str], tasks: Iterable[str], seeds: Iterable[int] = (0,), preset: str = "auto", *,
          runs_dir: str | os.PathLike = "book/runs", results_dir: str | os.PathLike = "results",
          notebook: str | os.PathLike = DEFAULT_NOTEBOOK, cwd: str | os.PathLike | None = None,
-         config_class: type = RunConfig, **settings: Any) -> list[Cell]:
+         config_class: type = RunConfig, cuda: bool | None = None, **settings: Any) -> list[Cell]:
     """The grid's cells, each checked with ``RunConfig.validate()`` before anything runs.
 
     ``settings`` (any run setting: n_discovery, p, engine, data_dir, device, ...) replace the preset's value for every
-    task. The preset is checked here but resolved again where each cell runs.
+    task. The preset is checked here but resolved again where each cell runs. ``cuda``: whether the machine the cells
+    run on has CUDA, when that is not this one (:attr:`Cell.cuda`); settings wrong everywhere still fail here.
     """
     results_dir = Path(results_dir).resolve()
     if settings.get("data_dir"):
@@ -111,7 +117,7 @@ def plan(models: Iterable[str], tasks: Iterable[str], seeds: Iterable[int] = (0,
                 cell = Cell(parameters=parameters, runs_dir=str(Path(runs_dir).resolve()),
                             results_dir=str(results_dir / config_class.ARTIFACT_SUBDIR),
                             notebook=str(Path(notebook).resolve()), cwd=str(Path(cwd).resolve()) if cwd else None,
-                            config_class=config_class)
+                            config_class=config_class, cuda=cuda)
                 try:
                     cell.config()
                 except (ValueError, TypeError, PermissionError, FileNotFoundError) as error:
@@ -130,7 +136,8 @@ def with_settings(cell: Cell, **settings: Any) -> Cell:
 
 
 def up_to_date(cell: Cell) -> dict | None:
-    """The cell's artifact if it and its page exist and every result-changing setting is what the cell asks for.
+    """The cell's artifact if it and its page exist, every result-changing setting is what the cell asks for, and the
+    weights and the data source are those the artifact's run read (:func:`same_inputs`).
 
     A preset of ``auto`` is compared as the artifact resolved it (paper or cpu, on the machine that ran it)."""
     from cel_utils.pipeline.artifacts import read_artifact
@@ -145,7 +152,39 @@ def up_to_date(cell: Cell) -> dict | None:
     requested = cell.parameters["preset"]
     wanted = cell.config(stored.get("preset") if requested == "auto" else None)
     names = result_settings(type(wanted))
-    return artifact if all(name in stored and stored[name] == getattr(wanted, name) for name in names) else None
+    if not all(name in stored and stored[name] == getattr(wanted, name) for name in names):
+        return None
+    return artifact if same_inputs(artifact, wanted) else None
+
+
+def data_source(config: RunConfig) -> str:
+    """Where ``config``'s items come from: ``mirror`` (a local mirror: ``data_dir``, else $CEL_DATA_DIR) or ``hub``.
+    The two hold different splits (the hub has BoolQ's train split, the mirror not), so they draw different items."""
+    from cel_utils.tasks.data import resolve_data_dir
+
+    return "hub" if resolve_data_dir(config.data_dir) is None else "mirror"
+
+
+def same_inputs(artifact: dict, config: RunConfig) -> bool:
+    """Whether a run of ``config`` now would read what the artifact's run read: the same weights (the part of the
+    model's source that names them, :func:`cel_utils.models.loading.weights_source`; loading the model to take its
+    fingerprint would cost as much as a short run) and the same kind of data source. The settings are compared apart.
+
+    Items generated because the hub could not be reached (arithmetic) count as the hub's: a rerun offline would
+    generate the same ones, and one online reads the hub."""
+    from cel_utils.models.loading import weights_source
+
+    splits = (artifact.get("data") or {}).get("splits") or [{"source": None}]
+    kinds = {split.get("source") for split in splits}
+    wanted = data_source(config)
+    if kinds - ({"hub", "generated"} if wanted == "hub" else {"mirror"}):
+        return False
+    try:
+        now = weights_source(config.model, config.revision)
+    except (OSError, ValueError):  # cannot be told here: run the cell, which reports the problem itself
+        return False
+    stored = (artifact.get("model") or {}).get("source") or {}
+    return all(stored.get(key) == value for key, value in now.items())
 
 
 def _stat(path: Path):

@@ -201,6 +201,25 @@ def locate(spec: str) -> tuple[str, dict]:
     return spec, {"kind": "hub", "id": spec}
 
 
+def weights_source(spec: str, revision: str | None = None) -> dict:
+    """What names the weights ``spec`` loads now, without loading them: the part of the ``source`` that
+    :func:`load_model` would record that says which weights (not where they lie on this machine). ``--skip-existing``
+    compares it with an artifact's: a folder rewritten in place, another GGUF file or dequantization, a moved hub
+    branch are other weights. A GGUF model not dequantized on this machine yet is dequantized here."""
+    kind = check_model_spec(spec)
+    if kind == "random":  # its weights are a function of these (and of the code, like every number)
+        family, _, size = spec.removeprefix("random:").partition(":")
+        return {"kind": "random", "family": family, "size": size or "tiny", "seed": 0}
+    location, source = locate(spec)
+    named = {"kind": kind, **{key: source[key] for key in ("id", "sha256") if key in source}}
+    if kind == "hub":
+        commit = _hub_commit(spec, revision)
+        return {**named, "revision": commit} if commit else named
+    files = weight_files(Path(location))
+    weights = checkpoint_sha256(Path(location), _stamps(files))
+    return {**named, "weights_sha256": weights} if weights else named
+
+
 def display_name(spec: str) -> str:
     """Short model name for tables and file names: the hub repo name, the directory or file stem."""
     if spec in _EMBEDDED:
@@ -233,7 +252,10 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str | torch.device = "auto"
         source, pinned = {**source, "revision": commit}, {"revision": commit}
     elif revision is not None:
         pinned = {"revision": revision}
-    stamps = _stamps(weight_files(Path(location))) if source["kind"] == "local" else None
+    # A GGUF model is keyed by the dequantized checkpoint it was loaded from, not only by the GGUF file: another
+    # transformers or gguf version may dequantize the same file to other weights.
+    hashed = source["kind"] in ("local", "gguf", "embedded-gguf")
+    stamps = _stamps(weight_files(Path(location))) if hashed else None
     try:
         config = AutoConfig.from_pretrained(location, **pinned)
     except OSError as error:
@@ -331,8 +353,9 @@ def model_fingerprint(model: nn.Module, source: dict | None = None) -> str:
     """The key of a model's stored evaluations: sha256 of its config and of what its weights are.
 
     The weights are named by content, so that a folder rewritten in place gets a new key: the sha256 of a
-    checkpoint folder's weight files (taken when it was loaded, ``source["weights_sha256"]``), of the GGUF file
-    the default model and ``.gguf`` specs are made from (``source["sha256"]``), the hub commit a hub model was
+    checkpoint folder's weight files (taken when it was loaded, ``source["weights_sha256"]``; for the default model
+    and ``.gguf`` specs, of the dequantized checkpoint), else of the GGUF file they are made from
+    (``source["sha256"]``), the hub commit a hub model was
     loaded at (``source["revision"]``), or else, for models without files (``random:``), of every tensor.
     80 bits are kept: enough that two different models never share a key by accident.
     """

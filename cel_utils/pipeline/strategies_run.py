@@ -87,7 +87,8 @@ def compare_strategies(config: StrategiesConfig, *, lm=None, progress: bool = Tr
     payload = {
         "schema_version": SCHEMA_VERSION, "kind": "cel-strategies",
         "config": asdict(config), "beam_width": beam_width, "attribution_candidates": candidates,
-        "model": {"name": lm.name, "spec": lm.spec, "fingerprint": lm.fingerprint, "geometry": asdict(lm.geometry)},
+        "model": {"name": lm.name, "spec": lm.spec, "fingerprint": lm.fingerprint, "source": lm.source,
+                  "geometry": asdict(lm.geometry)},  # source: what --skip-existing compares the weights by
         "task": {"name": data.task.name, "kind": data.task.kind, "metric": data.task.metric},
         "data": data.provenance, "n_discovery": n, "n_holdout": len(data.holdout),
         "full": {"discovery_accuracy": full_disc.accuracy, "holdout_accuracy": held[0].accuracy},

@@ -1,0 +1,61 @@
+"""The presets' tables, as data: partial run configurations per preset and task family, the tasks a grid runs when
+none are named, and how long runs took when last measured. :mod:`cel_utils.config` applies them (and re-exports
+them): they sit apart from the settings' declaration only because they are long, and they name settings, never
+declare one.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+# Partial configurations per preset and task family ("*": every family; a family's row adds to it). "arithmetic" also
+# covers the single configs (arithmetic_2da, ...).
+# cpu: a laptop-sized demonstration of the whole protocol on the default model (measured wall times in README.md).
+#   Arithmetic runs 3-shot: SmolLM2-135M-Instruct echoes the question at 0-shot (0.8% on the pooled configs) and gets
+#   0% of the 3- to 5-digit configs at 3-shot; on 40 items per config at 3-shot it reached 1dc 12%, 2dm 8%, 2da 5%,
+#   the rest 0-2% (chat format: 0-5%), so the cpu default task is arithmetic_1dc (5.2% on 500 items). MBPP decodes
+#   about 1.1 s per item and intervention on 2 cores (stage 1 is 271 interventions), so its discovery set is tiny.
+#   The null and the resamples are kept to a few, so that they add about a fifth to a cell's time.
+# paper: the paper's Table 3 sizes with p=10, k=3 (the RunConfig defaults), for a GPU.
+# quick: the run notebook's default, a few minutes on a laptop. smoke: seconds per cell with a random tiny model.
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "cpu": {
+        # Sized for `make book` (all four tasks, two at a time) in an hour on two cores; measured 46 min, an estimated
+        # 62-65 on the slowest 2-core machine seen (README).
+        # The screen and m per task are the ones that froze exhaustive stage 1's set in benchmarks/bench_screening.py
+        # (README, "Screened stage 1 against exhaustive search").
+        # The random sets are scored on the holdout's first 125 items: 4 sets there cost half of 2 on all 500 and can
+        # reach p = 0.2 rather than 0.33.
+        "*": dict(n_discovery=128, n_holdout=500, p=3, k=2, stage1="screened", screen="attribution", screen_keep=8,
+                  n_random_sets=4, null_items=125, n_resamples=0),
+        # arithmetic's items are short and share a 3-shot prefix: it can afford p=5 and the stability resamples; on it
+        # attribution ranks heads by margin changes far from the decision boundary, so it needs the boundary screen
+        "arithmetic": dict(num_fewshot=3, p=5, screen="boundary", screen_candidates=60, screen_items=12,
+                           screen_keep=10, n_resamples=2),
+        # attribution holds BoolQ's exact top 3 from m = 20 (at m = 8 it misses one and freezes another set)
+        "boolq": dict(screen_keep=20),
+        # pass@1 has no margin: the screen attributes the reference solution's likelihood; every evaluation generates
+        "mbpp": dict(n_discovery=32, n_holdout=100, max_new_tokens=96, screen_keep=3, p=2, n_random_sets=0),
+    },
+    "paper": {"*": dict(batch_size=32)},
+    "quick": {
+        "*": dict(n_discovery=32, n_holdout=100, p=5, k=2, stage1="screened", screen="attribution", screen_keep=10,
+                  n_random_sets=2, n_resamples=2),
+        "arithmetic": dict(num_fewshot=3),
+        "mbpp": dict(n_discovery=4, n_holdout=10, p=3, screen_keep=5, max_new_tokens=96),
+    },
+    "smoke": {
+        "*": dict(n_discovery=6, n_holdout=8, p=3, k=2, max_new_tokens=32, n_random_sets=3, n_resamples=3),
+        "mbpp": dict(n_discovery=2, n_holdout=3),
+    },
+    "none": {},
+}
+TASK_FAMILIES = ("arithmetic", "boolq", "hellaswag", "mbpp")
+# The tasks a grid runs when none are named. The paper pools the 10 arithmetic configs; on CPU the default model is
+# only non-degenerate on single configs like 1dc (see the cpu rows above).
+PRESET_TASKS = {"cpu": ("arithmetic_1dc", "boolq", "hellaswag", "mbpp"), "paper": TASK_FAMILIES,
+                "quick": ("arithmetic_1dc", "boolq", "hellaswag", "mbpp"), "smoke": TASK_FAMILIES, "none": TASK_FAMILIES}
+
+
+# Minutes each cpu-preset run of the default model took in `make book`, two at a time (README, at 61abcd7).
+# Only their order is used: the local pool starts the longest runs first (cel_utils.grid.executors.start_order).
+RUN_MINUTES = {"cpu": {"boolq": 30.0, "hellaswag": 25.7, "mbpp": 14.4, "arithmetic": 13.8}}

@@ -1,0 +1,44 @@
+"""The code versions in the evaluation store's key (``ENGINE_VERSION``, the naive path's ``store_kind``) are kept by
+hand, so that an edit that changes no number (a comment, a rename) keeps every stored evaluation of a resumable run.
+What each version stands for is declared beside it (``store_sources``); this test records a sha256 of those modules
+per version and fails when they change while the version stays the same."""
+import pytest
+
+from cel_utils.evaluation.engine import EngineEvaluator
+from cel_utils.evaluation.evaluator import NaiveEvaluator
+from cel_utils.evaluation.store import source_sha256
+
+# store_kind -> sha256 of its store_sources (cel_utils.evaluation.store.source_sha256).
+RECORDED = {
+    "naive-1": "572404b41984cc70551a15d2fe3026c6a19da3c60f04c013cae952782d815016",
+    "engine-1": "93d08935e3080c2c910d5d6946edfac850f890da44e3896b1e5a66e05bcd80a3",
+}
+WHERE = {NaiveEvaluator: "store_kind in cel_utils/evaluation/evaluator.py",
+         EngineEvaluator: "ENGINE_VERSION in cel_utils/evaluation/engine.py"}
+
+
+@pytest.mark.parametrize("evaluator", [NaiveEvaluator, EngineEvaluator], ids=lambda cls: cls.__name__)
+def test_the_code_behind_each_store_version_is_the_code_recorded(evaluator):
+    kind, now = evaluator.store_kind, source_sha256(evaluator.store_sources)
+    assert RECORDED.get(kind) == now, (
+        f"the code behind store version {kind!r} ({', '.join(evaluator.store_sources)}) is not the code recorded for "
+        f"it. If the change can alter any number the evaluator stores (a value, its rounding, its order), bump "
+        f"{WHERE[evaluator]} so that stores filled by the old code are not read; either way, record the new hash in "
+        f"tests/test_store_versions.py: RECORDED[{evaluator.store_kind!r} or the new kind] = {now!r}")
+
+
+def test_the_hash_follows_any_change_of_the_listed_sources(tmp_path, monkeypatch):
+    package = tmp_path / "versioned_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    module = package / "numbers.py"
+    module.write_text("SCALE = 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    first = source_sha256(["versioned_pkg.numbers"])
+    assert source_sha256(["versioned_pkg.numbers"]) == first
+    module.write_bytes(b"SCALE = 1.0\r\n")  # the same code checked out with CRLF line endings
+    assert source_sha256(["versioned_pkg.numbers"]) == first
+    module.write_text("SCALE = 1.0 + 1e-12\n")
+    assert source_sha256(["versioned_pkg.numbers"]) != first
+    with pytest.raises(ModuleNotFoundError, match="not an importable module: fix the name"):
+        source_sha256(["versioned_pkg.missing"])
