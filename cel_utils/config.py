@@ -105,8 +105,8 @@ class RunConfig:
                                 "of the full model) on which its candidates are evaluated exactly", minimum=1)
     n_random_sets: int = setting(100, "random head sets of the frozen set's size scored on the holdout, a null for "
                                  "the search (0: off)", minimum=0)
-    null_items: int | None = setting(None, "holdout items the random sets are scored on: the holdout's first n (a "
-                                      "random draw; the frozen set is compared on the same items; none: all)", minimum=1)
+    null_items: int | None = setting(None, "holdout items the random sets are scored on: a seeded random subset of n "
+                                      "(the frozen set is compared on the same items; none: all)", minimum=1)
     n_resamples: int = setting(50, "reruns of the whole selection on resampled discovery sets, for stability (0: off)",
                                minimum=0)
     resample: str = setting("bootstrap", "how discovery sets are resampled: bootstrap (with replacement) or halves "

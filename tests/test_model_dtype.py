@@ -176,3 +176,17 @@ def test_asking_about_a_gpu_where_torch_has_no_cuda_is_an_answer_not_a_crash(mon
         pytest.skip("this torch has CUDA: the question has a real answer here")
     assert native_bf16("cuda") is False
     assert resolve_dtype("auto", torch.device("cuda")) == torch.float32
+
+
+def test_a_model_cast_after_its_first_evaluation_is_not_served_the_numbers_stored_for_the_old_dtype(lm, items, tmp_path):
+    from cel_utils.evaluation.store import EvalStore
+
+    data = items["hellaswag"]
+    engine = EngineEvaluator(lm, data.task, data.holdout, store=EvalStore(tmp_path / "evals"), progress=False)
+    float32 = engine.evaluate(INTERVENTIONS)
+    lm.model.double()
+    float64 = engine.evaluate(INTERVENTIONS)  # the same evaluator, its store context taken before the cast
+    reference = NaiveEvaluator(lm, data.task, data.holdout, progress=False).evaluate(INTERVENTIONS)
+    for low, high, ref in zip(float32, float64, reference):
+        np.testing.assert_allclose(high.margin, ref.margin, rtol=0, atol=1e-9)  # computed in float64, not read back
+        assert not np.array_equal(high.margin, low.margin)

@@ -24,7 +24,7 @@ SETTINGS = dict(model="random:llama:tiny", n_discovery=6, n_holdout=8, p=3, k=2,
 # issue 14: BOS as the tokenizer adds it by default (SmolLM2's: none, as before); the model and memory options
 ADDED_SETTINGS = {"bos": "auto", "attn_implementation": "sdpa", "revision": None, "device_map": None, "token_budget": None,
                   "screen_candidates": 80, "screen_items": 16,
-                  "null_items": None}  # issue 13: the random-set null on the holdout's first items (none: all, as before)
+                  "null_items": None}  # issue 13: the random-set null on a subset of the holdout (none: all, as before)
 REMOVED_SETTINGS: dict = {}
 ADDED_HOLDOUT: set = set()
 # The prompt as resolved: the default model's tokenizer adds no BOS, so its token sequences (and every number below)

@@ -43,7 +43,7 @@ class Evaluator:
         self.exec_timeout_s, self.progress = exec_timeout_s, progress
         self.fewshot = list(fewshot)
         self.fewshot_ids = [item.id for item in fewshot]
-        self.store, self._stored, self._digests = store, None, None
+        self.store, self._stored, self._stored_state, self._digests = store, None, None, None
         self.kind = kind_of(task)
         self.bos = resolve_bos(lm.tokenizer, bos)
         self.requests = self.kind.build_requests(task, self.items, list(fewshot), lm.tokenizer, fmt, self.bos)
@@ -105,9 +105,14 @@ class Evaluator:
 
     @property
     def stored(self) -> StoreContext | None:
-        """This evaluator's part of the store (None without a store); the model fingerprint is taken once."""
-        if self.store is not None and self._stored is None:
-            self._stored = self.store.context(self.store_fields())
+        """This evaluator's part of the store (None without a store). The model fingerprint is taken once per state of
+        the model: a model cast or moved after the first evaluation (``lm.model.double()``) gets the part of its new
+        dtype and device, never the numbers stored for the old ones."""
+        if self.store is None:
+            return None
+        state = (self.lm.dtype, self.lm.device, getattr(self.lm.model.config, "_attn_implementation", None))
+        if self._stored is None or self._stored_state != state:
+            self._stored, self._stored_state = self.store.context(self.store_fields()), state
         return self._stored
 
     def store_key(self, indices: Iterable[int]) -> str:
