@@ -191,8 +191,11 @@ def test_every_setting_has_a_test_of_what_changing_it_does():
 def test_device_map_changes_no_number(tiny_models, data_dir, tmp_path):
     from cel_utils.models.loading import load_model
 
+    import copy
+
     lm = tiny_models["llama"]
-    lm.model.save_pretrained(tmp_path / "checkpoint")
+    # a copy: save_pretrained writes into the config it saves (architectures), which the session's model is keyed by
+    copy.deepcopy(lm.model).save_pretrained(tmp_path / "checkpoint")
     lm.tokenizer.save_pretrained(tmp_path / "checkpoint")
     data = load_task_data("hellaswag", 4, 2, seed=0, data_dir=data_dir)
     whole = load_model(str(tmp_path / "checkpoint"), device="cpu")
