@@ -133,7 +133,7 @@ class RunConfig:
         exists there is checked by the job when it starts (a login node without a GPU submits GPU jobs)."""
         for f in dataclasses.fields(self):
             check_setting(type(self), f.name, getattr(self, f.name))
-        from cel_utils.models.loading import check_model_spec, resolve_device, resolve_dtype
+        from cel_utils.models.loading import check_model_spec, parse_device, resolve_device, resolve_dtype
         from cel_utils.paths import check_writable
         from cel_utils.search.algorithm import check_search_params
         from cel_utils.tasks.data import resolve_data_dir
@@ -142,7 +142,7 @@ class RunConfig:
         check_model_spec(self.model)
         get_task(self.task)
         check_search_params(self.p, self.k, 10**9)  # the head count is checked once the model is loaded
-        resolve_dtype(self.dtype, resolve_device(self.device) if here else device_name(self.device))
+        resolve_dtype(self.dtype, resolve_device(self.device) if here else parse_device(self.device))
         if self.attn_implementation == "flash_attention_2":
             import importlib.util
 
@@ -260,17 +260,6 @@ def resolve_preset(name: str = "auto", cuda: bool | None = None) -> str:
 
         return "paper" if (torch.cuda.is_available() if cuda is None else cuda) else "cpu"
     return name
-
-
-def device_name(device: str):
-    """``device`` as a torch device (``auto``: the CPU), checked to be a device's name but not to exist here."""
-    import torch
-
-    try:
-        return torch.device("cpu" if device == "auto" else device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"unknown device {device!r}: use 'auto' (CUDA if present, else CPU), 'cpu', 'cuda' or "
-                         "'cuda:<index>'") from None
 
 
 def task_family(task: str) -> str:

@@ -13,6 +13,7 @@ import pandas as pd
 from cel_utils.book.run_page import power_of, run_stem, significance, tied_at_top, verdict_of
 from cel_utils.book.strategies_page import strategies_section
 from cel_utils.book.text import ci_text, md_table, ordinal, p_is, provenance_text, rer_text, transition_text
+from cel_utils.config import task_family
 from cel_utils.paths import atomic_write
 from cel_utils.pipeline.artifacts import load_artifacts
 from cel_utils.tasks.scoring import relative_error_reduction
@@ -24,7 +25,7 @@ TASK_ORDER = ("arithmetic", "boolq", "hellaswag", "mbpp")
 
 
 def _task_sort_key(task: str) -> tuple:
-    family = "arithmetic" if task.startswith("arithmetic") else task
+    family = task_family(task)
     rank = TASK_ORDER.index(family) if family in TASK_ORDER else len(TASK_ORDER)
     return rank, task
 
@@ -45,7 +46,6 @@ def summarize(artifacts: list[dict], runs_dir: Path | None = None) -> pd.DataFra
             "rel_error_reduction": rer_text(relative_error_reduction(100 * h["full_accuracy"], 100 * h["ablated_accuracy"])),
             "heads": h["heads_label"], "data": provenance_text(art["data"]),
             "engine": art["config"].get("engine", "?"), "stem": stem, "page": bool(page),
-            "ci_low": (significance(art) or {}).get("ci_low"), "ci_high": (significance(art) or {}).get("ci_high"),
             **_reliability_columns(art),
         })
     columns = ["task", "model", "seed", "metric", "n_discovery", "n_holdout", "p", "k", "full", "ablated", "gain_points",
@@ -71,6 +71,7 @@ def _reliability_columns(art: dict) -> dict:
                        else f"{power['min_detectable_gain_points']:.1f} points"),
         "calibration_text": calibration_text(cal),
         "ci": ci_text(sig), "p_value": sig["p_value"] if sig else float("nan"),
+        "ci_low": sig["ci_low"] if sig else None, "ci_high": sig["ci_high"] if sig else None,
         "null_text": (f"{ordinal(null['percentile'])} pct of {null['n_sets']}"
                       + (f" on {null['n_items']} items" if "n_items" in null else "") + f" ({p_is(null['p_value'])}"
                       + (f", the smallest {null['n_sets']} sets allow" if null["p_value"] <= 1 / (null["n_sets"] + 1) + 1e-12
@@ -98,7 +99,7 @@ def calibration_text(cal: dict | None) -> str:
 
 def paper_gains_against(task: str, ci_low: float | None, ci_high: float | None, paper_rows: list[dict]) -> str:
     """The paper's Table 1 gains for ``task``'s family (three models), each placed against this run's 95% interval."""
-    family = "arithmetic" if task.startswith("arithmetic") else task
+    family = task_family(task)
     rows = [r for r in paper_rows if r["task"] == family]
     if not rows or ci_low is None or ci_high is None:
         return "n/a"

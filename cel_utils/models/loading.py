@@ -66,14 +66,20 @@ class LoadedModel:
         return model_fingerprint(self.model, self.source)
 
 
-def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def parse_device(device: str | torch.device = "auto") -> torch.device:
+    """``device`` checked to be a device's name, not to exist here (``auto``: the CPU); for checks made on one
+    machine of a run that happens on another (a Slurm job's node)."""
     try:
-        resolved = torch.device(device)
+        return torch.device("cpu" if str(device) == "auto" else device)
     except (RuntimeError, TypeError):
         raise ValueError(f"unknown device {device!r}: use 'auto' (CUDA if present, else CPU), 'cpu', 'cuda' or "
                          "'cuda:<index>'") from None
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = parse_device(device)
     if resolved.type == "cuda" and (not torch.cuda.is_available()
                                     or (resolved.index or 0) >= torch.cuda.device_count()):
         raise ValueError(f"device {device!r} is not available here ({torch.cuda.device_count()} CUDA device(s)): "
