@@ -1,7 +1,7 @@
 """Command line: ``cel`` (or ``python -m cel_utils``) ``{grid,main,book,aggregate,toc,strategies,export,list}``.
 
     grid       run the per-run notebook for every (model, task, seed) with papermill
-    main       grid with the default preset, then book
+    main       grid of the book's models and seed (cel_utils.presets.BOOK_MODELS, BOOK_SEED), then book
     book       theory notebooks + aggregate + toc + `jupyter-book build . -W -n --keep-going`
     aggregate  turn the JSON artifacts into the results page (book/results.md)
     toc        print the committed table of contents and the executed notebooks its globs pick up
@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 
 from cel_utils.config import (
+    BOOK_MODELS,
+    BOOK_SEED,
     DEFAULT_MODEL,
     PRESET_NAMES,
     PRESET_TASKS,
@@ -33,16 +35,19 @@ from cel_utils.config import (
 )
 
 
-def _selection_arguments(parser: argparse.ArgumentParser, title: str, tasks_required: bool = False) -> None:
-    """Which (model, task, seed) cells, with which preset: shared by ``grid``/``main`` and ``strategies``."""
+def _selection_arguments(parser: argparse.ArgumentParser, title: str, tasks_required: bool = False,
+                         models: tuple[str, ...] = (DEFAULT_MODEL,), seed: int = 0) -> None:
+    """Which (model, task, seed) cells, with which preset: shared by ``grid``/``main`` and ``strategies``; ``models``
+    and ``seed`` are the defaults (``main``'s are the book's, :data:`cel_utils.presets.BOOK_MODELS` and ``BOOK_SEED``)."""
     g = parser.add_argument_group(title)
-    g.add_argument("--models", nargs="+", default=[DEFAULT_MODEL], metavar="MODEL",
-                   help=setting_help("model").replace("model spec", "model specs") + f" (default: {DEFAULT_MODEL})")
+    g.add_argument("--models", nargs="+", default=list(models), metavar="MODEL",
+                   help=setting_help("model").replace("model spec", "model specs") + f" (default: {' '.join(models)})")
     tasks_default = "" if tasks_required else " (default: the preset's, " + "; ".join(
         f"{name}: {' '.join(tasks)}" for name, tasks in PRESET_TASKS.items()) + ")"
     g.add_argument("--tasks", nargs="+", metavar="TASK", required=tasks_required,
                    help=setting_help("task").replace("task:", "tasks:") + tasks_default)
-    g.add_argument("--seeds", nargs="+", type=int, default=[0], metavar="SEED", help=setting_help("seed") + " (default: 0)")
+    g.add_argument("--seeds", nargs="+", type=int, default=[seed], metavar="SEED",
+                   help=setting_help("seed") + f" (default: {seed})")
     g.add_argument("--preset", choices=PRESET_NAMES, default="auto",
                    help="per-task sizes and search settings (cel_utils.config.PRESETS): cpu, paper (Table 3 sizes, "
                         "p=10, k=3), quick (minutes on a laptop), smoke (tiny, for tests), none (RunConfig's defaults); "
@@ -118,6 +123,13 @@ def _slurm_options(args):
 
 def _grid_arguments(parser: argparse.ArgumentParser) -> None:
     _selection_arguments(parser, "grid")
+    _settings_arguments(parser)
+    _execution_arguments(parser)
+
+
+def _main_arguments(parser: argparse.ArgumentParser) -> None:
+    """``grid``'s, with the book's models and seed as defaults: the seed no preset decision has seen (presets.py)."""
+    _selection_arguments(parser, "grid", models=BOOK_MODELS, seed=BOOK_SEED)
     _settings_arguments(parser)
     _execution_arguments(parser)
 
@@ -335,7 +347,8 @@ def parser() -> argparse.ArgumentParser:
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands = {
         "grid": ("run the per-run notebook for a grid of models x tasks x seeds", cmd_grid, [_grid_arguments, _path_arguments]),
-        "main": ("grid with the default preset, then book", cmd_main, [_grid_arguments, _path_arguments, _book_arguments]),
+        "main": ("grid of the book's models and seed with the default preset, then book", cmd_main,
+                 [_main_arguments, _path_arguments, _book_arguments]),
         "book": ("theory notebooks, results page, toc, and jupyter-book build", cmd_book, [_path_arguments, _book_arguments]),
         "aggregate": ("write the results page from the artifacts", cmd_aggregate, [_path_arguments]),
         "toc": ("print the table of contents and the executed notebooks it picks up", cmd_toc, [_path_arguments]),

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from cel_utils.checks import check_int
-from cel_utils.presets import PRESET_TASKS, PRESETS, RUN_MINUTES, TASK_FAMILIES  # noqa: F401 (re-exported)
+from cel_utils.presets import (BOOK_MODELS, BOOK_SEED, MODEL_PRESETS, PRESET_TASKS, PRESETS, RUN_MINUTES,  # noqa: F401
+                               TASK_FAMILIES)  # (re-exported)
 from cel_utils.search.screening import DECISION_SCREENS, SCREENS
 from cel_utils.tasks.prompts import BOS_POLICIES, FORMATS
 
@@ -125,7 +126,8 @@ class RunConfig:
                              f"(cel_utils.config.{cls.__name__})")
         preset = resolve_preset(values.get("preset", "none"))
         task = values.get("task", _default(cls, "task"))
-        return cls(**{**preset_values(preset, task), **values, "preset": preset})
+        model = values.get("model", _default(cls, "model"))
+        return cls(**{**preset_values(preset, task, model), **values, "preset": preset})
 
     def validate(self, here: bool = True) -> "RunConfig":
         """Cheap checks that catch bad input before any model or data is loaded; creates nothing. ``here=False``: the
@@ -266,10 +268,14 @@ def task_family(task: str) -> str:
     return "arithmetic" if task.startswith("arithmetic") else task
 
 
-def preset_values(preset: str, task: str) -> dict[str, Any]:
-    """The preset's partial configuration for ``task`` (its family's row over the ``*`` row)."""
-    table = PRESETS[resolve_preset(preset)]
-    return {**table.get("*", {}), **table.get(task_family(task), {})}
+def preset_values(preset: str, task: str, model: str | None = None) -> dict[str, Any]:
+    """The preset's partial configuration for ``task`` (its family's row over the ``*`` row) and, where the preset has
+    rows for ``model`` (:data:`MODEL_PRESETS`), those over them in the same order."""
+    preset, family = resolve_preset(preset), task_family(task)
+    values = {}
+    for table in (PRESETS[preset], MODEL_PRESETS.get(preset, {}).get(model, {})):
+        values.update({**table.get("*", {}), **table.get(family, {})})
+    return values
 
 
 def expected_minutes(preset: str, task: str) -> float | None:

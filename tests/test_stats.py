@@ -244,6 +244,27 @@ def test_the_results_page_places_the_papers_gains_against_each_runs_interval_and
     assert "How often these holdouts were looked at" in page and "after an earlier main job had scored" in page
 
 
+def test_the_book_draws_with_a_seed_no_preset_decision_saw_and_its_page_says_so():
+    """Issue 26: the main job's holdouts were drawn with seed 0, whose holdout scores some preset decisions had seen;
+    the book draws with BOOK_SEED, `cel main` defaults to it (and `grid` keeps 0), and the page calls those runs single
+    looks without the seed-0 caveat."""
+    from test_report import make_artifact
+
+    from cel_utils.book import results_page
+    from cel_utils.cli import parser
+    from cel_utils.presets import BOOK_MODELS, BOOK_SEED
+
+    assert BOOK_SEED != 0
+    main = parser().parse_args(["main"])
+    assert main.seeds == [BOOK_SEED] and main.models == list(BOOK_MODELS)
+    assert parser().parse_args(["grid"]).seeds == [0]
+    artifact = make_artifact(task="boolq", full=0.4, ablated=0.42, n_items=500)
+    artifact["config"]["seed"] = BOOK_SEED
+    page = results_page.results_markdown([artifact], [])
+    assert f"draws its items with seed {BOOK_SEED}, which no preset decision has seen" in page
+    assert "after an earlier main job had scored" not in page  # the seed-0 caveat is for seed-0 runs only
+
+
 def test_a_page_words_the_verdict_from_the_artifacts_numbers_not_its_stored_text():
     """An artifact written before the verdicts were corrected stores "no effect larger than 2.9 points"; its pages
     must say what its interval supports."""
