@@ -20,12 +20,12 @@ from browser import browser_or_unavailable, unavailable, visit
 
 from cel_utils.book.build import THEORY_NOTEBOOKS, BookPaths, execute_theory, toc_dict
 from cel_utils.cli import main, parser
-from cel_utils.config import DEFAULT_MODEL, RunConfig
+from cel_utils.config import BOOK_SEED, DEFAULT_MODEL, RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
 MIRROR = Path(os.environ.get("CEL_DATA_DIR") or REPO.parent / "shared" / "data")
 DATA_DIR = str(MIRROR) if MIRROR.is_dir() else None
-RUN = "random-llama-tiny__arithmetic_2da__seed0"
+RUN = f"random-llama-tiny__arithmetic_2da__seed{BOOK_SEED}"  # `main` draws with the book's seed
 PAGES = {"results": "book/results.html", "run": f"book/runs/{RUN}.html",
          "derivation": "book/theory/theory_derivation.html", "simulation": "book/theory/theory_simulation.html",
          "reading group": "book/reading_group.html"}
@@ -71,9 +71,9 @@ def test_book_builds_with_warnings_as_errors(built):
     results = (built / "book" / "results.html").read_text()
     assert f'href="runs/{RUN}.html"' in results
     run_page = (built / "book" / "runs" / f"{RUN}.html").read_text()
-    assert "<title>CEL run: random-llama-tiny on arithmetic_2da (seed 0)" in run_page
+    assert f"<title>CEL run: random-llama-tiny on arithmetic_2da (seed {BOOK_SEED})" in run_page
     sidebar = (built / "book" / "intro.html").read_text()
-    assert "random-llama-tiny on arithmetic_2da (seed 0)" in sidebar  # found by the toc's glob, titled by the page
+    assert f"random-llama-tiny on arithmetic_2da (seed {BOOK_SEED})" in sidebar  # found by the toc's glob, titled by the page
     for page in ("reading_group", "related", "glossary", "theory/theory_derivation", "theory/theory_simulation"):
         assert f'href="{page}.html"' in sidebar, page
 
