@@ -39,22 +39,3 @@ def test_torch_is_a_range_and_the_makefile_installs_one_exact_build_first():
     assert makefile.index('pip install --quiet "$(TORCH)"') < makefile.index("pip install --quiet -e .")
     assert "jupyter-book>=1.0,<2" in project["dependencies"]  # 2.x downloads its theme at build time
 
-
-def test_readme_cpu_table_matches_the_cpu_preset():
-    from cel_utils.book.facts import random_sets_text
-    from cel_utils.config import RunConfig, default_tasks
-    from cel_utils.tasks.specs import get_task
-
-    readme = (REPO / "README.md").read_text()
-    rows = [line.strip("|").split("|") for line in readme.splitlines()
-            if line.startswith("| ") and line.split("|")[1].strip() in default_tasks("cpu")]
-    assert [row[0].strip() for row in rows] == list(default_tasks("cpu"))
-    for task, *cells in rows:
-        c = RunConfig.from_dict({"task": task.strip(), "preset": "cpu"})
-        fewshot = c.num_fewshot if c.num_fewshot is not None else get_task(c.task).default_fewshot
-        expected = [fewshot, c.n_discovery, c.n_holdout, c.screen if c.stage1 == "screened" else "exact",
-                    c.screen_keep if c.stage1 == "screened" else "all", c.p, c.k,
-                    random_sets_text(c),
-                    c.n_resamples,
-                    c.max_new_tokens if c.task == "mbpp" else "-"]
-        assert [cell.strip() for cell in cells] == [str(value) for value in expected], task
