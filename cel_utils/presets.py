@@ -9,7 +9,7 @@ from typing import Any
 
 # Partial configurations per preset and task family ("*": every family; a family's row adds to it). "arithmetic" also
 # covers the single configs (arithmetic_2da, ...).
-# cpu: a laptop-sized demonstration of the whole protocol on the default model (measured wall times in README.md).
+# cpu: a laptop-sized demonstration of the whole protocol on the default model (measured wall times: book/speed.md).
 #   Arithmetic runs 3-shot: SmolLM2-135M-Instruct echoes the question at 0-shot (0.8% on the pooled configs) and gets
 #   0% of the 3- to 5-digit configs at 3-shot; on 40 items per config at 3-shot it reached 1dc 12%, 2dm 8%, 2da 5%,
 #   the rest 0-2% (chat format: 0-5%), so the cpu default task is arithmetic_1dc (5.2% on 500 items). MBPP decodes
@@ -20,9 +20,9 @@ from typing import Any
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "cpu": {
         # Sized for `make book` (all four tasks, two at a time) in an hour on two cores; measured 46 min, an estimated
-        # 62-65 on the slowest 2-core machine seen (README).
+        # 62-65 on the slowest 2-core machine seen (book/speed.md, "The main job's time").
         # The screen and m per task are the ones that froze exhaustive stage 1's set in benchmarks/bench_screening.py
-        # (README, "Screened stage 1 against exhaustive search").
+        # (book/speed.md, "Screened stage 1 against exhaustive search").
         # The random sets are scored on the holdout's first 125 items: 4 sets there cost half of 2 on all 500 and can
         # reach p = 0.2 rather than 0.33.
         "*": dict(n_discovery=128, n_holdout=500, p=3, k=2, stage1="screened", screen="attribution", screen_keep=8,
@@ -59,7 +59,7 @@ PRESET_TASKS = {"cpu": ("arithmetic_1dc", "boolq", "hellaswag", "mbpp"), "paper"
                 "quick": ("arithmetic_1dc", "boolq", "hellaswag", "mbpp"), "smoke": TASK_FAMILIES, "none": TASK_FAMILIES}
 
 
-# Minutes each cpu-preset run of the default model took in `make book`, two at a time (README, at 61abcd7).
+# Minutes each cpu-preset run of the default model took in `make book`, two at a time (book/speed.md, at 61abcd7).
 # Only their order is used: the local pool starts the longest runs first (cel_utils.grid.executors.start_order).
 RUN_MINUTES = {"cpu": {"boolq": 30.0, "hellaswag": 25.7, "mbpp": 14.4, "arithmetic": 13.8}}
 
