@@ -70,8 +70,9 @@ def _column(view: ItemView, which: str) -> str:
              f'<div class="cel-answer" data-which="{which}" data-correct="{int(outcome.correct[0])}">'
              f'{_verdict(bool(outcome.correct[0]))}: ']
     if view.kind == "generate":
-        status, _, code = answer.partition("\n")
-        parts.append(f"tests {escape(status)}</div><pre>{escape(code)}</pre>")
+        generated = outcome.predictions[0]  # the whole completion (the run pages clip theirs)
+        parts.append(f'tests: <span class="cel-status">{escape(generated["status"])}</span></div>'
+                     f'<pre>{escape(generated["completion"])}</pre>')
     elif view.kind == "choice":
         parts.append(f"chose {escape(answer)}</div>{option_chart(view, outcome, which)}")
     else:

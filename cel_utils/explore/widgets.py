@@ -173,6 +173,7 @@ class Explorer:
             return
         self.run = run
         self.run_sets.options = list(run.choices().items())
+        self.run_sets.index = 0  # the frozen set, ready to switch off
         self.status.value = f"read {run.path.name}: frozen set {format_heads(run.frozen)}"
 
     def _apply_run_set(self) -> None:
