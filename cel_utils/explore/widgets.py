@@ -56,7 +56,7 @@ class Explorer:
                 for layer in range(geometry.n_layers)]
         self.grid = w.VBox(rows, layout=w.Layout(max_height="420px", overflow="auto"))
         self.heads_text = w.Text(value="", placeholder="e.g. L3.H1+L12.H0", description="heads off",
-                                 continuous_update=False)
+                                 continuous_update=False).add_class("cel-heads")
         self.clear = w.Button(description="all on")
         self.artifact = w.Text(value=str(artifact or ""), placeholder="results/<model>__<task>__seed<n>.json",
                                description="run", layout=w.Layout(width="60%"))
