@@ -21,9 +21,18 @@ def explore(model: str = DEFAULT_MODEL, task: str = "hellaswag", seed: int = 0, 
     """The head explorer for ``model`` on ``task`` with the settings a run of (model, task, seed, preset) uses (any
     other run setting may be given); with ``artifact``, for the run that wrote it: its settings, items and sets.
     ``lm``: an already loaded model (it must be the one ``model`` names)."""
-    if artifact is not None:
-        return Explorer(ExploreSession.from_artifact(artifact, lm), artifact=str(artifact))
-    return Explorer(ExploreSession.open(model, task, seed, preset, lm, **settings))
+    from transformers.utils import logging
+
+    # the loader's progress bars would stay on the app's page above the explorer
+    shown = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        if artifact is not None:
+            return Explorer(ExploreSession.from_artifact(artifact, lm), artifact=str(artifact))
+        return Explorer(ExploreSession.open(model, task, seed, preset, lm, **settings))
+    finally:
+        if shown:
+            logging.enable_progress_bar()
 
 
 def arguments_from_environment(env: Mapping[str, str] | None = None) -> dict:

@@ -30,10 +30,10 @@ class Explorer:
 
         # Where the prompt comes from
         self.split = w.Dropdown(options=SPLITS, value="holdout", description="split")
-        self.index = w.BoundedIntText(value=0, min=0, max=len(session.items("holdout")) - 1, description="item #")
+        self.index = w.BoundedIntText(value=0, min=0, max=len(session.items("holdout")) - 1, description="item #").add_class("cel-index")
         self.query = w.Text(placeholder="words in the item's text or answers", description="search",
                             continuous_update=False)
-        self.found = w.Select(options=[], rows=5, description="found", layout=w.Layout(width="95%"))
+        self.found = w.Select(options=[], rows=3, description="found", layout=w.Layout(width="95%"))
         self.own_text = w.Textarea(placeholder="your prompt (it follows the task's few-shot exemplars)",
                                    description="prompt", layout=w.Layout(width="95%", height="6em"))
         self.own_answers = w.Textarea(placeholder=self._answers_hint(), description=self._answers_label(),
@@ -49,12 +49,15 @@ class Explorer:
         # Which heads are off
         self.toggles: dict[HeadId, w.ToggleButton] = {
             head: w.ToggleButton(value=False, description=str(head.head), tooltip=str(head),
-                                 layout=w.Layout(width="34px", height="22px", padding="0"))
+                                 layout=w.Layout(width="32px", height="22px", padding="0"))
             for head in geometry.all_heads()}
-        rows = [w.HBox([w.Label(f"L{layer}", layout=w.Layout(width="34px")),
-                        *[self.toggles[HeadId(layer, h)] for h in range(geometry.n_heads)]])
-                for layer in range(geometry.n_layers)]
-        self.grid = w.VBox(rows, layout=w.Layout(max_height="420px", overflow="auto"))
+        cells = []
+        for layer in range(geometry.n_layers):
+            cells += [w.Label(f"L{layer}"), *[self.toggles[HeadId(layer, h)] for h in range(geometry.n_heads)]]
+        # a CSS grid with fixed rows: the real model's 30 layers scroll instead of squeezing
+        self.grid = w.GridBox(cells, layout=w.Layout(grid_template_columns=f"40px repeat({geometry.n_heads}, 34px)",
+                                                     grid_auto_rows="24px", grid_gap="2px", max_height="520px",
+                                                     overflow="auto"))
         self.heads_text = w.Text(value="", placeholder="e.g. L3.H1+L12.H0", description="heads off",
                                  continuous_update=False).add_class("cel-heads")
         self.clear = w.Button(description="all on")
