@@ -66,7 +66,7 @@ publish:
 EXPLORE_PORT ?= 8866
 explore: $(VENV)/.installed
 	@echo "The explorer is at http://127.0.0.1:$(EXPLORE_PORT)/ once the model is loaded (Ctrl-C stops it)"
-	$(if $(CEL_EXPLORE_ARTIFACT),CEL_EXPLORE_ARTIFACT=$(abspath $(CEL_EXPLORE_ARTIFACT))) \
+	env $(if $(CEL_EXPLORE_ARTIFACT),CEL_EXPLORE_ARTIFACT=$(abspath $(CEL_EXPLORE_ARTIFACT))) \
 	  $(VENV)/bin/voila notebooks/explore.ipynb --Voila.ip=127.0.0.1 --port=$(EXPLORE_PORT) --no-browser
 
 benchmark: $(VENV)/.installed

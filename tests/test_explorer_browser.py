@@ -45,7 +45,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def app(data_dir, tmp_path_factory):
-    """`make explore`'s command, on a free port, opening the tiny model on HellaSwag."""
+    """The Voila command `make explore` runs, on a free port, opening the tiny model on HellaSwag."""
     port = free_port()
     log = tmp_path_factory.mktemp("voila") / "voila.log"
     env = {**os.environ, **APP, "CEL_DATA_DIR": data_dir, "OMP_WAIT_POLICY": "PASSIVE"}
