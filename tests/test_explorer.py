@@ -208,3 +208,30 @@ def test_environment_chooses_the_apps_model_task_seed_and_preset():
                                                "preset": "smoke"}
     with pytest.raises(ValueError, match="CEL_EXPLORE_SEED='x' is not a whole number"):
         arguments_from_environment({"CEL_EXPLORE_SEED": "x"})
+
+
+def test_own_greedy_prompt_is_scored_as_the_row_it_reads_as(lm, data_dir):
+    from cel_utils.tasks.specs import Item
+
+    session = ExploreSession(RunConfig.from_dict({**SETTINGS, "task": "arithmetic_2da", "data_dir": data_dir}), lm)
+    own = session.view_prompt("Question: What is 12 plus 30?\nAnswer:", ["L2.H1"], target=" 42")
+    row = Item("row", {"context": "Question: What is 12 plus 30?\nAnswer:", "completion": " 42"})
+    full, ablated = direct(session, [row], ["L2.H1"])
+    assert (own.full.margin[0], own.ablated.margin[0]) == (full.margin[0], ablated.margin[0])
+    with pytest.raises(ValueError, match="needs the expected answer"):
+        session.view_prompt("Question: What is 1 plus 1?\nAnswer:", target="")
+
+
+def test_an_artifact_of_other_items_is_refused(lm, data_dir, tmp_path):
+    from cel_utils.pipeline.artifacts import write_json
+
+    config = {**SETTINGS, "task": "boolq", "data_dir": data_dir}
+    session = ExploreSession(RunConfig.from_dict(config), lm)
+    ids = {split: [item.id for item in session.items(split)] for split in ("discovery", "holdout")}
+    run = {"schema_version": 1, "kind": "cel-run", "config": config, "frozen": {"heads": ["L0.H0"]},
+           "pool": ["L0.H0"], "stage2": [], "discovery": {"item_ids": ids["discovery"]},
+           "holdout": {"item_ids": ids["holdout"]}}
+    assert ExploreSession.from_artifact(write_json(tmp_path / "same.json", run), lm).data.holdout == session.data.holdout
+    run["holdout"]["item_ids"] = ids["holdout"][::-1]
+    with pytest.raises(ValueError, match="the run's holdout items are not the ones these settings draw"):
+        ExploreSession.from_artifact(write_json(tmp_path / "other.json", run), lm)

@@ -213,6 +213,7 @@ class Explorer:
         if self._quiet:
             return
         own = self.source.selected_index == OWN_TAB if own is None else own
+        self.status.value = "computing ..."
         try:
             if own:
                 self.source.selected_index = OWN_TAB
@@ -227,7 +228,9 @@ class Explorer:
                 view = self.session.view(self.split.value, self.index.value, self.heads)
         except ValueError as error:
             self.item_out.value = render.error_html(error)
+            self.status.value = ""
             return
+        self.status.value = ""
         self.view = view
         self.item_out.value = render.item_html(view)
 
