@@ -1,6 +1,7 @@
 # Two entry points (see README.md). Each creates .venv on first use and installs from this project's files.
 #   make book   -- the main job: the default model on the default tasks, ending in a built Jupyter Book
 #   make test   -- the test suite (what CI runs)
+# Besides: make explore -- the head explorer as a local web app (notebooks/explore.ipynb in Voila)
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -19,7 +20,7 @@ TEST_WORKERS ?= 2
 # (benchmarks/bench_parallel.py), and when one cell ends the other has both cores (each keeps torch's 2 threads).
 BOOK_JOBS ?= 2
 
-.PHONY: book test browser system-python benchmark clean publish
+.PHONY: book test browser system-python benchmark clean publish explore
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -58,6 +59,15 @@ system-python:
 publish:
 	@test -n "$(REMOTE)" || { echo "usage: make publish REMOTE=<git remote name or URL>" >&2; exit 2; }
 	$(PY) -m cel_utils.book.publish --remote "$(REMOTE)" --site _build/html
+
+# The head explorer as a local web app: Voila runs notebooks/explore.ipynb and serves its widgets on localhost.
+# CEL_EXPLORE_MODEL, _TASK, _SEED, _PRESET, _ARTIFACT choose what it opens (cel_utils.explore.app), e.g.
+#   make explore CEL_EXPLORE_TASK=boolq    or    make explore CEL_EXPLORE_ARTIFACT=results/<run>.json
+EXPLORE_PORT ?= 8866
+explore: $(VENV)/.installed
+	@echo "The explorer is at http://127.0.0.1:$(EXPLORE_PORT)/ once the model is loaded (Ctrl-C stops it)"
+	env $(if $(CEL_EXPLORE_ARTIFACT),CEL_EXPLORE_ARTIFACT=$(abspath $(CEL_EXPLORE_ARTIFACT))) \
+	  $(VENV)/bin/voila notebooks/explore.ipynb --Voila.ip=127.0.0.1 --port=$(EXPLORE_PORT) --no-browser
 
 benchmark: $(VENV)/.installed
 	$(PY) benchmarks/bench_engine.py

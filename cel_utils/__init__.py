@@ -13,6 +13,7 @@ The subpackages are layers; each imports only from the ones above it in this lis
     pipeline/          one run end to end (run_cel), its artifact and examples, strategies runs, export
     book/              pages from artifacts (run page, results page, plots), titles, the book build
     grid/              a notebook over (model, task, seed) cells, locally or on Slurm
+    explore/           the head explorer (ipywidgets; `from cel_utils import explore`), live on a loaded model
     cli                `cel` / `python -m cel_utils`
     theory/            the toy model of the paper's section 4 (stands apart: numpy and sympy only)
 

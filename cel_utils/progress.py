@@ -1,10 +1,14 @@
 """Progress a person can see, in three modes: ``bars`` (tqdm, for a terminal or an interactive notebook), ``log`` (a
 plain line every ``LOG_EVERY_S`` seconds on stderr, for a grid cell's kernel: papermill streams it to the terminal or
-the Slurm job's log, and the run page hides stderr) and ``off``. ``True``/``False`` mean ``bars``/``off``."""
+the Slurm job's log, and the run page hides stderr) and ``off``. ``True``/``False`` mean ``bars``/``off``. A callable
+``sink(done, total)`` in place of a mode receives every step instead (the explorer's progress bar widget)."""
 from __future__ import annotations
 
 import sys
 import time
+from typing import Callable
+
+ProgressSink = Callable[[int, int], None]  # called with (steps done, total steps)
 
 MODES = ("bars", "log", "off")
 LOG_EVERY_S = 30.0
@@ -44,6 +48,21 @@ class LogProgress:
         self._write(f"{self.n}/{self.total} {self.units} in {time.perf_counter() - self.start:.0f} s")
 
 
+class SinkProgress:
+    """tqdm's ``update``/``close`` interface, handing (done, total) to a callable after every step."""
+
+    def __init__(self, total: int, sink: ProgressSink):
+        self.total, self.sink, self.n = total, sink, 0
+        sink(0, total)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        self.sink(self.n, self.total)
+
+    def close(self) -> None:
+        self.sink(self.n, self.total)
+
+
 class _Off:
     def update(self, n: int = 1) -> None:
         pass
@@ -52,8 +71,11 @@ class _Off:
         pass
 
 
-def progress_bar(total: int, desc: str, mode: bool | str = True, unit: str = "eval"):
-    """A progress reporter for ``total`` steps in the given mode (nothing for fewer than two steps)."""
+def progress_bar(total: int, desc: str, mode: bool | str | ProgressSink = True, unit: str = "eval"):
+    """A progress reporter for ``total`` steps in the given mode (nothing for fewer than two steps), or one that
+    hands every step to ``mode`` when it is a callable sink."""
+    if callable(mode):
+        return SinkProgress(total, mode)
     mode = _mode(mode)
     if mode == "off" or total < 2:
         return _Off()

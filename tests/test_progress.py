@@ -24,3 +24,15 @@ def test_modes():
     assert isinstance(progress_bar(10, "x", "log"), LogProgress)
     with pytest.raises(ValueError, match="unknown progress mode 'loud'"):
         progress_bar(10, "x", "loud")
+
+
+def test_a_callable_sink_receives_every_step():
+    seen = []
+    bar = progress_bar(3, "x", lambda done, total: seen.append((done, total)))
+    for _ in range(3):
+        bar.update(1)
+    bar.close()
+    assert seen == [(0, 3), (1, 3), (2, 3), (3, 3), (3, 3)]
+    seen.clear()
+    progress_bar(1, "x", lambda done, total: seen.append((done, total))).update(1)  # even a single step is shown
+    assert seen == [(0, 1), (1, 1)]
