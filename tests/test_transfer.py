@@ -124,3 +124,63 @@ def test_transfer_items_is_one_declared_setting_the_presets_can_size():
     assert RunConfig.from_dict({"task": "boolq", "preset": "cpu"}).n_holdout == cpu.n_holdout
     with pytest.raises(ValueError, match="transfer_items"):
         TransferConfig.from_dict({"task": "boolq", "transfer_items": 0}).validate()
+
+
+def test_results_page_shows_the_heat_map_the_words_and_the_papers_table_beside_ours(runs, lm, tmp_path):
+    from cel_utils.book.results_page import read_paper_table, write_results_page
+
+    from conftest import REPO
+
+    run_transfer(runs, MODEL, SEED, TASKS, given={"transfer_items": 5}, lm=lm, progress=False, say=lambda _: None)
+    transfer = load_transfers(runs)[0]
+    page = write_results_page(runs, tmp_path / "results.md", paper_table=REPO / "data" / "paper_table1.csv").read_text()
+    section = page[page.index("(transfer-matrix)="):page.index("## The paper's Table 1 beside ours")]
+    assert section.count('class="plotly-graph-div"') == 1 and "<script src" not in section  # offline figure
+    figure = section[section.index("```{raw} html"):].replace("\\u003c", "<").replace("\\u003e", ">")  # plotly's JSON
+    for cell in transfer["cells"]:  # every cell's hover: interval, p, helped/harmed counts
+        sig = cell["significance"]
+        assert (f"{cell['gain_points']:+.1f} points)<br>95% CI [{sig['ci_low']:+.1f}, {sig['ci_high']:+.1f}], McNemar "
+                f"p = {sig['p_value']:.2f}<br>helped {cell['help']}, harmed {cell['harm']} of {cell['n_items']}") in figure
+    for task in TASKS:  # one generated sentence per set
+        assert f"The set found on {task} (`" in section
+    assert re.search(r"Of the 6 off-diagonal tests, \d+ (is|are) significant at p ≤ 0.05; if no set changed any other "
+                     r"task, about 0.3 would be by chance", section)
+    paper = page[page.index("## The paper's Table 1 beside ours"):]
+    header = next(line for line in paper.splitlines() if line.startswith("| task |"))
+    assert header.count("paper:") == 3 and header.rstrip(" |").endswith("random-llama-tiny")
+    for family in ("arithmetic", "boolq", "hellaswag", "mbpp"):
+        assert f"* **{family}:** the paper's 3 models gain" in paper
+    mbpp = [float(r["gain_points"]) for r in read_paper_table(REPO / "data" / "paper_table1.csv") if r["task"] == "mbpp"]
+    assert f"* **mbpp:** the paper's 3 models gain {min(mbpp):+.2f} to {max(mbpp):+.2f} points; none of our models ran it." in paper
+    assert "What the CPU hour left out, and what --preset paper on a GPU adds" in paper
+    assert "| random-llama-tiny, boolq | 6 / 8 | 2,000 / 3,270 (or as many as the data hold) |" in paper
+
+
+def _hand_matrix(rows: dict[tuple[str, str], tuple[int, int, int]], n: int = 200) -> dict:
+    """A transfer matrix from (helped, harmed, unchanged-correct) counts per cell, with the real tests on them."""
+    from cel_utils.pipeline.transfer import cell_json
+
+    tasks = sorted({s for s, _ in rows})
+    cells = []
+    for (source, target), (helped, harmed, kept) in rows.items():
+        full = [0] * helped + [1] * harmed + [1] * kept + [0] * (n - helped - harmed - kept)
+        ablated = [1] * helped + [0] * harmed + [1] * kept + [0] * (n - helped - harmed - kept)
+        cells.append(cell_json(source, target, ["L0.H0"], "L0.H0", full, ablated, 0, n))
+    return {"tasks": tasks, "cells": cells, "model": {"name": "m"}, "seed": 0, "metrics": {t: "acc" for t in tasks}}
+
+
+def test_the_words_name_a_trade_only_where_both_tests_are_significant():
+    from cel_utils.book.transfer_page import transfer_sentences
+
+    trade = _hand_matrix({("a", "a"): (30, 5, 80), ("a", "b"): (2, 25, 90), ("b", "a"): (10, 8, 80),
+                          ("b", "b"): (12, 10, 80)})
+    text = " ".join(transfer_sentences(trade))
+    assert "a's set helps a while hurting b" in text and "significantly hurts b (-11.5 points" in text
+    assert "Not significant on a (+1.0 points, [" in text  # b's set on a: its interval, not a claim
+    flat = _hand_matrix({("a", "a"): (30, 5, 80), ("a", "b"): (12, 10, 90), ("b", "a"): (10, 8, 80),
+                         ("b", "b"): (1, 0, 80)})
+    text = " ".join(transfer_sentences(flat))
+    assert "No set both significantly helps one task and significantly hurts another" in text
+    assert "helps" not in text.split("**No set")[0].replace("significantly helps its own task", "")
+    assert "On a (18 of 200 answers changed)" not in text  # 18 changes are enough to test: not "underpowered"
+    assert "b (`L0.H0`) shows no significant change on its own holdout (+0.5 points)" in text
