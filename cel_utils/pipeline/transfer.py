@@ -160,6 +160,9 @@ def run_transfer(results_dir: str | Path, model: str, seed: int, tasks: Iterable
     for target in order:
         art, config = runs[target], configs[target]
         h = art["holdout"]
+        if "full_correct" not in h:
+            raise ValueError(f"{paths[target].name} stores no per-item holdout outcomes (an artifact older than the "
+                             "paired test): rerun its cell")
         cal = (art.get("reliability") or {}).get("calibration")
         cells[target, target] = cell_json(target, target, h["heads"], h["heads_label"], h["full_correct"],
                                           h["ablated_correct"], seed, h["n_items"], calibration=cal)
