@@ -249,13 +249,16 @@ def _transfer_settings(args) -> dict:
     return {name: value for name, value in given_settings(args, TransferConfig).items() if name in TRANSFER_SETTINGS}
 
 
-def _run_transfers(results_dir: Path, selection: list[tuple[str, int, list[str]]], given: dict) -> int:
-    """The transfer step for each (model, seed, tasks); 0 when every matrix was written or up to date, else 1. A model
-    with fewer than two tasks has no matrix."""
-    from cel_utils.pipeline.transfer import run_transfer
+def _run_transfers(results_dir: Path, selection: list[tuple[str, int, list[str] | None]], given: dict) -> int:
+    """The transfer step for each (model, seed, tasks); tasks None: every task the model has an artifact of with that
+    seed. 0 when every matrix was written or up to date, else 1. A model with fewer than two tasks has no matrix."""
+    from cel_utils.models.loading import display_name
+    from cel_utils.pipeline.transfer import find_runs, run_transfer
 
     status = 0
     for model, seed, tasks in selection:
+        if tasks is None:
+            tasks = list(find_runs(results_dir, display_name(model), seed))
         if len(tasks) < 2:
             print(f"transfer: {model} (seed {seed}) has {len(tasks)} task(s) with a result: no matrix", flush=True)
             continue
@@ -273,11 +276,6 @@ def _run_transfers(results_dir: Path, selection: list[tuple[str, int, list[str]]
 def cmd_transfer(args) -> int:
     paths = _paths(args)
     selection = [(model, seed, args.tasks) for model in args.models for seed in args.seeds]
-    if args.tasks is None:  # every task the model ran with this seed
-        from cel_utils.models.loading import display_name
-        from cel_utils.pipeline.transfer import find_runs
-
-        selection = [(m, s, list(find_runs(paths.results_dir, display_name(m), s))) for m, s, _ in selection]
     try:
         given = _transfer_settings(args)
     except ValueError as error:
@@ -287,19 +285,13 @@ def cmd_transfer(args) -> int:
 
 
 def cmd_main(args) -> int:
-    from cel_utils import grid
-
     grid_status = cmd_grid(args)
     if grid_status == 2:
         return 2
     # The transfer step runs after every cell: it needs all of a model's artifacts, and its evaluations go to the same
-    # store the cells used. Slurm cells ran on other machines, and the transfer would too: `cel transfer` there.
-    selection = []
-    if args.executor != "slurm":
-        cells = [c for c in _plan(args, notebook=args.notebook or grid.DEFAULT_NOTEBOOK) or [] if c.artifact.exists()]
-        selection = [(model, seed, [c.parameters["task"] for c in cells
-                                    if c.parameters["model"] == model and c.parameters["seed"] == seed])
-                     for model in args.models for seed in args.seeds]
+    # store the cells used. Its rows and columns are every task the model has an artifact of, as the results page
+    # shows them all. Slurm cells ran on other machines, and the transfer would too: `cel transfer` there.
+    selection = [] if args.executor == "slurm" else [(m, s, None) for m in args.models for s in args.seeds]
     transfer_status = _run_transfers(_paths(args).results_dir, selection, _transfer_settings(args))
     book_status = cmd_book(args)
     return max(grid_status, transfer_status, book_status)

@@ -91,6 +91,8 @@ def test_an_up_to_date_matrix_is_kept_and_a_changed_input_recomputes_it(runs, lm
 def test_bad_input_is_a_clear_error_and_leaves_no_file(runs, lm, tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match=r"random-llama-tiny__mbpp__seed0\.json.*cel grid"):
         run_transfer(runs, MODEL, SEED, (*TASKS, "mbpp"), lm=lm, progress=False)
+    with pytest.raises(ValueError, match="transfer_items must be a positive integer or None, got 0"):
+        run_transfer(runs, MODEL, SEED, TASKS, given={"transfer_items": 0}, lm=lm, progress=False)
     with pytest.raises(ValueError, match=r"\['n_holdout'\] differ"):
         run_transfer(runs, MODEL, SEED, TASKS, given={"n_holdout": 3}, lm=lm, progress=False)
     # a failure while evaluating leaves no matrix (and keeps none half-written)

@@ -140,7 +140,9 @@ def run_transfer(results_dir: str | Path, model: str, seed: int, tasks: Iterable
     from cel_utils.book.results_page import _task_sort_key  # the book's task order: rows and columns read alike
 
     order = sorted(runs, key=_task_sort_key)
-    configs = {task: target_config(runs[task], given) for task in order}
+    # checked as a run's are (bad sizes, an unreadable data mirror, an unwritable store: before any model loads)
+    configs = {task: target_config(runs[task], {**(given or {}), "results_dir": str(results_dir)}).validate()
+               for task in order}
     inputs = {"runs": {task: {"artifact": paths[task].name, "sha256": _digest(paths[task])} for task in order},
               "transfer_items": {task: configs[task].transfer_items for task in order}}
     out = transfer_path(results_dir, name, seed)
