@@ -292,6 +292,9 @@ def cmd_main(args) -> int:
     # store the cells used. Its rows and columns are every task the model has an artifact of, as the results page
     # shows them all. Slurm cells ran on other machines, and the transfer would too: `cel transfer` there.
     selection = [] if args.executor == "slurm" else [(m, s, None) for m in args.models for s in args.seeds]
+    if args.executor == "slurm":
+        print("transfer: not run here (the cells ran on the cluster): `cel transfer` on a node with the results and the "
+              "store, then `cel book`", flush=True)
     transfer_status = _run_transfers(_paths(args).results_dir, selection, _transfer_settings(args))
     book_status = cmd_book(args)
     return max(grid_status, transfer_status, book_status)
