@@ -1,7 +1,8 @@
 """Command line: ``cel`` (or ``python -m cel_utils``) ``{grid,main,book,aggregate,toc,strategies,export,list}``.
 
     grid       run the per-run notebook for every (model, task, seed) with papermill
-    main       grid of the book's models and seed (cel_utils.presets.BOOK_MODELS, BOOK_SEED), then book
+    main       grid of the book's models and seed (cel_utils.presets.BOOK_MODELS, BOOK_SEED), transfer, then book
+    transfer   each model's frozen sets scored on its other tasks' holdouts (the transfer matrix), from the artifacts
     book       theory notebooks + aggregate + toc + `jupyter-book build . -W -n --keep-going`
     aggregate  turn the JSON artifacts into the results page (book/results.md)
     toc        print the committed table of contents and the executed notebooks its globs pick up
@@ -28,6 +29,7 @@ from cel_utils.config import (
     PRESET_TASKS,
     RunConfig,
     StrategiesConfig,
+    TransferConfig,
     add_setting_flags,
     default_tasks,
     given_settings,
@@ -128,9 +130,10 @@ def _grid_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _main_arguments(parser: argparse.ArgumentParser) -> None:
-    """``grid``'s, with the book's models and seed as defaults: the seed no preset decision has seen (presets.py)."""
+    """``grid``'s, with the book's models and seed as defaults: the seed no preset decision has seen (presets.py); and
+    the transfer step's setting."""
     _selection_arguments(parser, "grid", models=BOOK_MODELS, seed=BOOK_SEED)
-    _settings_arguments(parser)
+    _settings_arguments(parser, TransferConfig)  # RunConfig's flags go to the grid, transfer_items to the transfer
     _execution_arguments(parser)
 
 
@@ -239,12 +242,62 @@ def cmd_book(args) -> int:
     return status
 
 
+def _transfer_settings(args) -> dict:
+    """The settings flags given that the transfer step takes (those that change no number, and transfer_items)."""
+    from cel_utils.pipeline.transfer import TRANSFER_SETTINGS
+
+    return {name: value for name, value in given_settings(args, TransferConfig).items() if name in TRANSFER_SETTINGS}
+
+
+def _run_transfers(results_dir: Path, selection: list[tuple[str, int, list[str] | None]], given: dict) -> int:
+    """The transfer step for each (model, seed, tasks); tasks None: every task the model has an artifact of with that
+    seed. 0 when every matrix was written or up to date, else 1. A model with fewer than two tasks has no matrix."""
+    from cel_utils.models.loading import display_name
+    from cel_utils.pipeline.transfer import find_runs, run_transfer
+
+    status = 0
+    for model, seed, tasks in selection:
+        if tasks is None:
+            tasks = list(find_runs(results_dir, display_name(model), seed))
+        if len(tasks) < 2:
+            print(f"transfer: {model} (seed {seed}) has {len(tasks)} task(s) with a result: no matrix", flush=True)
+            continue
+        try:
+            result = run_transfer(results_dir, model, seed, tasks, given=given)
+        except (ValueError, FileNotFoundError) as error:
+            print(f"transfer: FAILED {model} (seed {seed}): {error}", file=sys.stderr, flush=True)
+            status = 1
+            continue
+        what = "up to date" if result.status == "skipped" else f"{result.n_evaluations} set(s) scored, {result.seconds:.0f} s"
+        print(f"transfer: {model} (seed {seed}) over {', '.join(tasks)}: {what} -> {result.path}", flush=True)
+    return status
+
+
+def cmd_transfer(args) -> int:
+    paths = _paths(args)
+    selection = [(model, seed, args.tasks) for model in args.models for seed in args.seeds]
+    try:
+        given = _transfer_settings(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return _run_transfers(paths.results_dir, selection, given)
+
+
 def cmd_main(args) -> int:
     grid_status = cmd_grid(args)
     if grid_status == 2:
         return 2
+    # The transfer step runs after every cell: it needs all of a model's artifacts, and its evaluations go to the same
+    # store the cells used. Its rows and columns are every task the model has an artifact of, as the results page
+    # shows them all. Slurm cells ran on other machines, and the transfer would too: `cel transfer` there.
+    selection = [] if args.executor == "slurm" else [(m, s, None) for m in args.models for s in args.seeds]
+    if args.executor == "slurm":
+        print("transfer: not run here (the cells ran on the cluster): `cel transfer` on a node with the results and the "
+              "store, then `cel book`", flush=True)
+    transfer_status = _run_transfers(_paths(args).results_dir, selection, _transfer_settings(args))
     book_status = cmd_book(args)
-    return max(grid_status, book_status)
+    return max(grid_status, transfer_status, book_status)
 
 
 def cmd_strategies(args) -> int:
@@ -274,6 +327,20 @@ def _strategies_arguments(parser: argparse.ArgumentParser) -> None:
                                  "the same preset)", tasks_required=True)
     _settings_arguments(parser, StrategiesConfig)
     parser.add_argument("--notebook", help="the strategies notebook (default: notebooks/cel_strategies.ipynb)")
+
+
+def _transfer_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("which matrices (from the run artifacts in --results-dir)")
+    g.add_argument("--models", nargs="+", default=list(BOOK_MODELS), metavar="MODEL",
+                   help=f"model specs (default: the book's, {' '.join(BOOK_MODELS)})")
+    g.add_argument("--tasks", nargs="+", metavar="TASK",
+                   help="the tasks (rows and columns; each needs its run's artifact; default: every task the model ran)")
+    g.add_argument("--seeds", nargs="+", type=int, default=[BOOK_SEED], metavar="SEED",
+                   help=f"{setting_help('seed')} (default: {BOOK_SEED})")
+    s = parser.add_argument_group("settings (every other one is the run's, from its artifact)")
+    from cel_utils.pipeline.transfer import TRANSFER_SETTINGS
+
+    add_setting_flags(s, TransferConfig, only=TRANSFER_SETTINGS)
 
 
 def cmd_export(args) -> int:
@@ -349,6 +416,8 @@ def parser() -> argparse.ArgumentParser:
         "grid": ("run the per-run notebook for a grid of models x tasks x seeds", cmd_grid, [_grid_arguments, _path_arguments]),
         "main": ("grid of the book's models and seed with the default preset, then book", cmd_main,
                  [_main_arguments, _path_arguments, _book_arguments]),
+        "transfer": ("score each model's frozen sets on the holdouts of its other tasks (the transfer matrix)",
+                     cmd_transfer, [_transfer_arguments, _path_arguments]),
         "book": ("theory notebooks, results page, toc, and jupyter-book build", cmd_book, [_path_arguments, _book_arguments]),
         "aggregate": ("write the results page from the artifacts", cmd_aggregate, [_path_arguments]),
         "toc": ("print the table of contents and the executed notebooks it picks up", cmd_toc, [_path_arguments]),

@@ -127,7 +127,9 @@ class RunConfig:
         preset = resolve_preset(values.get("preset", "none"))
         task = values.get("task", _default(cls, "task"))
         model = values.get("model", _default(cls, "model"))
-        return cls(**{**preset_values(preset, task, model), **values, "preset": preset})
+        # a preset row may hold settings of a subclass (TransferConfig's transfer_items): each class takes its own
+        own = {name: value for name, value in preset_values(preset, task, model).items() if name in field_names(cls)}
+        return cls(**{**own, **values, "preset": preset})
 
     def validate(self, here: bool = True) -> "RunConfig":
         """Cheap checks that catch bad input before any model or data is loaded; creates nothing. ``here=False``: the
@@ -197,6 +199,20 @@ class StrategiesConfig(RunConfig):
             raise ValueError(f"attribution_candidates must be at least p = {self.p} (the pool is drawn from them), "
                              f"got {self.attribution_candidates}")
         return self
+
+
+@dataclass
+class TransferConfig(RunConfig):
+    """A run's settings plus the transfer step's (``python -m cel_utils transfer``, run by ``main`` after the grid):
+    each frozen set scored on the holdouts of the model's other tasks. One configuration per target task, built from
+    that task's artifact; the matrix goes to ``<results_dir>/transfer/``, beside the runs' artifacts but not among
+    them."""
+
+    ARTIFACT_SUBDIR: typing.ClassVar[str] = "transfer"
+
+    transfer_items: int | None = setting(None, "transfer matrix: holdout items of each task on which the other tasks' "
+                                         "frozen sets are scored, a seeded random subset (none: the whole holdout); "
+                                         "each cell states its power", minimum=1)
 
 
 # --- the declaration, read back -----------------------------------------------------------------------------------
@@ -324,8 +340,9 @@ def _parser_type(value_type: type, optional: bool):
     return parse
 
 
-def add_setting_flags(group, cls: type = RunConfig) -> list[str]:
-    """One ``--flag`` per run setting (those declared with ``flag=True``), with the declared help; returns the names.
+def add_setting_flags(group, cls: type = RunConfig, only: typing.Collection[str] | None = None) -> list[str]:
+    """One ``--flag`` per run setting (those declared with ``flag=True``; of them, those in ``only`` if given), with the
+    declared help; returns the names.
 
     A flag not given leaves its setting to the preset (argparse leaves no attribute), so only what the user typed
     reaches :func:`given_settings`.
@@ -334,7 +351,7 @@ def add_setting_flags(group, cls: type = RunConfig) -> list[str]:
 
     names = []
     for f in dataclasses.fields(cls):
-        if not f.metadata["flag"]:
+        if not f.metadata["flag"] or (only is not None and f.name not in only):
             continue
         value_type, optional = setting_type(cls, f.name)
         default = "none" if f.default is None else f.default

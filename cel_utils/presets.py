@@ -25,8 +25,10 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         # (book/speed.md, "Screened stage 1 against exhaustive search").
         # The random sets are scored on the holdout's first 125 items: 4 sets there cost half of 2 on all 500 and can
         # reach p = 0.2 rather than 0.33.
+        # The transfer matrix scores 3 other tasks' sets on transfer_items of each holdout (benchmarks/bench_transfer.py:
+        # on the whole holdouts it would cost the default model about as much as its four runs).
         "*": dict(n_discovery=128, n_holdout=500, p=3, k=2, stage1="screened", screen="attribution", screen_keep=8,
-                  n_random_sets=4, null_items=125, n_resamples=0),
+                  n_random_sets=4, null_items=125, n_resamples=0, transfer_items=100),
         # arithmetic's items are short and share a 3-shot prefix: it can afford p=5 and the stability resamples; on it
         # attribution ranks heads by margin changes far from the decision boundary, so it needs the boundary screen
         "arithmetic": dict(num_fewshot=3, p=5, screen="boundary", screen_candidates=60, screen_items=12,
@@ -34,7 +36,8 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         # attribution holds BoolQ's exact top 3 from m = 20 (at m = 8 it misses one and freezes another set)
         "boolq": dict(screen_keep=20),
         # pass@1 has no margin: the screen attributes the reference solution's likelihood; every evaluation generates
-        "mbpp": dict(n_discovery=32, n_holdout=100, max_new_tokens=96, screen_keep=3, p=2, n_random_sets=0),
+        "mbpp": dict(n_discovery=32, n_holdout=100, max_new_tokens=96, screen_keep=3, p=2, n_random_sets=0,
+                     transfer_items=30),
     },
     "paper": {"*": dict(batch_size=32)},
     "quick": {

@@ -53,6 +53,13 @@ def built(tmp_path_factory):
     for name, parameters in small.items():
         papermill.execute_notebook(str(REPO / "notebooks" / f"{name}.ipynb"), str(theory / f"{name}.ipynb"),
                                    parameters=parameters, progress_bar=False, cwd=str(root))
+    # A second task's artifact, run in this process (no notebook, no page: cheaper than a second cell), so that `main`'s
+    # transfer step has a matrix to compute over the model's two tasks and the results page a heat map to show.
+    from cel_utils.pipeline.protocol import run_cel
+
+    run_cel(RunConfig.from_dict({"model": "random:llama:tiny", "task": "arithmetic_1dc", "seed": BOOK_SEED,
+                                 "preset": "smoke", "engine": "naive", "data_dir": DATA_DIR,
+                                 "results_dir": str(root / "results")}), progress=False)
     args = ["main", "--root", str(root), "--models", "random:llama:tiny", "--tasks", "arithmetic_2da",
             "--preset", "smoke", "--engine", "naive", "--theory", "skip"] + (["--data-dir", DATA_DIR] if DATA_DIR else [])
     assert main(args) == 0
@@ -72,6 +79,8 @@ def test_book_builds_with_warnings_as_errors(built):
     assert f'href="runs/{RUN}.html"' in results
     run_page = (built / "book" / "runs" / f"{RUN}.html").read_text()
     assert f"<title>CEL run: random-llama-tiny on arithmetic_2da (seed {BOOK_SEED})" in run_page
+    assert results.count('class="plotly-graph-div"') == 1 and "Beyond the task: the transfer matrix" in results
+    assert 'href="results.html#transfer-matrix"' in (built / "book" / "theory.html").read_text()
     sidebar = (built / "book" / "intro.html").read_text()
     assert f"random-llama-tiny on arithmetic_2da (seed {BOOK_SEED})" in sidebar  # found by the toc's glob, titled by the page
     for page in ("reading_group", "related", "glossary", "theory/theory_derivation", "theory/theory_simulation"):
@@ -129,7 +138,7 @@ def test_published_pages_carry_no_path_of_the_machine_that_built_them(built):
                 found[path.relative_to(built).as_posix()] = hits
     assert not found, found
     run_page = "".join(text_of((built / PAGES["run"]).read_text()).split())  # highlighted code: tokens apart
-    assert f'model="random:llama:tiny"task="arithmetic_2da"seed={BOOK_SEED}preset="smoke"config={"engine":"naive"}' in run_page
+    assert f'model="random:llama:tiny"task="arithmetic_2da"seed={BOOK_SEED}preset="smoke"config={{"engine":"naive"}}' in run_page
     shipped = nbformat.read(built / "_sources" / "book" / "runs" / f"{RUN}.ipynb", as_version=4)
     assert shipped.metadata.papermill.parameters["config"] == {"engine": "naive"}
 
@@ -280,7 +289,7 @@ def test_offline_pages_render_math_and_figures_without_errors(browser_ws, built)
     lines, broken = [], {}
     for page in pages:
         name = names.get(page, page.removeprefix("book/").removesuffix(".html"))
-        report = visit(browser_ws, (built / page).as_uri(), hover_heatmap=(name == "run"))
+        report = visit(browser_ws, (built / page).as_uri(), hover_heatmap=(name in ("run", "results")))
         lines.append(report_line(name, report))
         problems = report.math_problems() + report.console_errors + report.failed_requests + report.offsite("file://")
         problems += [f"image not loaded: {src}" for src, ok in report.probe["images"] if not ok]
@@ -296,6 +305,10 @@ def test_offline_pages_render_math_and_figures_without_errors(browser_ws, built)
             assert re.search(r"L\d+\.H\d+discovery gain [+-]\d+\.\d\d pointsharm \d+, help \d+", hover), hover
         if name == "results":
             assert "70.40 -> 83.50 (+13.10), 44.26%" in text_of((built / page).read_text())
+            assert report.probe["figures"] == 1 and report.probe["figures_drawn"] >= 1  # the transfer heat map
+            hover = report.extra["hover"]  # its best cell: the interval, the p-value and the counts
+            assert re.search(r"set from \w+ \(L\d+\.H\d+.*\) on \w+.*95% CI \[[+-]\d+\.\d, [+-]\d+\.\d\], McNemar "
+                             r"p [=<] [\d.]+helped \d+, harmed \d+ of \d+", hover), hover
     assert not broken, broken
     print("\noffline browser check (headless Chromium, no network):\n" + "\n".join(lines))
 

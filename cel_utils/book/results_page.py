@@ -11,11 +11,14 @@ from pathlib import Path
 import pandas as pd
 
 from cel_utils.book.run_page import power_of, run_stem, significance, tied_at_top, verdict_of
+from cel_utils.book.paper_comparison import hour_note, side_by_side
 from cel_utils.book.strategies_page import strategies_section
+from cel_utils.book.transfer_page import transfer_section
 from cel_utils.book.text import ci_text, md_table, ordinal, p_is, provenance_text, rer_text, transition_text
 from cel_utils.config import BOOK_SEED, task_family
 from cel_utils.paths import atomic_write
 from cel_utils.pipeline.artifacts import load_artifacts
+from cel_utils.pipeline.transfer import load_transfers
 from cel_utils.tasks.scoring import relative_error_reduction
 
 PAPER_MODELS = ("SmolLM3-3B", "Qwen2.5-3B-Instruct", "Llama-3.2-3B-Instruct")  # Table 1's column order
@@ -142,7 +145,8 @@ def _link(text: str, row, link_prefix: str) -> str:
 
 
 def results_markdown(artifacts: list[dict], paper_rows: list[dict], runs_dir: Path | None = None,
-                     link_prefix: str = "runs/", source_note: str = "", strategies: list[dict] | None = None) -> str:
+                     link_prefix: str = "runs/", source_note: str = "", strategies: list[dict] | None = None,
+                     transfers: list[dict] | None = None) -> str:
     """The results page (MyST Markdown): our Table 1, every run in detail, and the paper's reference."""
     table = summarize(artifacts, runs_dir)
     out = ["# Results", "",
@@ -211,8 +215,10 @@ def results_markdown(artifacts: list[dict], paper_rows: list[dict], runs_dir: Pa
                                "smallest detectable change (80% power)", "calibration baseline's gain",
                                "vs random sets", "discovery -> holdout gain",
                                "frozen set re-selected, overlap, holdout gains"], checks), ""]
+    out += transfer_section(transfers or [])
     out += strategies_section(strategies or [], _task_sort_key)
-    out += _paper_section(paper_rows)
+    out += _paper_section(paper_rows, table)
+    out += hour_note(artifacts, transfers or [])
     if source_note:
         out += ["", f"<small>{html.escape(source_note)}</small>", ""]
     return "\n".join(out).rstrip() + "\n"
@@ -238,23 +244,19 @@ def _forking_paths_note(seeds: set[int]) -> list[str]:
     return ["```{admonition} How often these holdouts were looked at", ":class: note", " ".join(text), "```", ""]
 
 
-def _paper_section(paper_rows: list[dict]) -> list[str]:
+def _paper_section(paper_rows: list[dict], table: pd.DataFrame) -> list[str]:
+    """The paper's Table 1 beside ours (cel_utils.book.paper_comparison), with how the paper's cells are printed."""
     if not paper_rows:
         return []
-    models = [m for m in PAPER_MODELS if any(r["model"] == m for r in paper_rows)]
-    models += [m for m in dict.fromkeys(r["model"] for r in paper_rows) if m not in models]
-    tasks = sorted(dict.fromkeys(r["task"] for r in paper_rows), key=_task_sort_key)
-    lookup = {(r["model"], r["task"]): r for r in paper_rows}
-    body = [[task] + [paper_cell(lookup[(m, task)]) if (m, task) in lookup else "" for m in models] for task in tasks]
-    return ["## The paper's Table 1 (reference)", "",
+    section = side_by_side(table, paper_rows)
+    return [section[0], "",
             f"All twelve cells of Table 1 of *{PAPER_TITLE}*, as printed: holdout accuracy in percent of the full model "
             "and of the model with the frozen heads ablated, and the gain in points (SmolLM3-3B in its non-thinking "
             "mode). The gain is the printed one: in three cells it differs from ablated - full by 0.01, a rounding of "
             "item counts. The paper prints the relative error reduction only for the column's minimum and maximum; "
             f"the cells marked {PAPER_COMPUTED_MARK} are computed here as gain / (100 - full), the formula that "
             "reproduces both printed values. The paper does not report which heads it froze. Our runs use other "
-            "(smaller) models and, on a CPU, far fewer items, so they are not expected to match.", "",
-            md_table(["task"] + [m.replace("SmolLM3-3B", "SmolLM3-3B (non-thinking)") for m in models], body), ""]
+            "(smaller) models and, on a CPU, far fewer items, so they are not expected to match.", "", *section[2:]]
 
 
 def write_results_page(results_dir: Path, out_path: Path, runs_dir: Path | None = None,
@@ -264,11 +266,12 @@ def write_results_page(results_dir: Path, out_path: Path, runs_dir: Path | None 
     artifacts = load_artifacts(results_dir) if results_dir.is_dir() else []
     strategies = load_artifacts(results_dir / "strategies") if (results_dir / "strategies").is_dir() else []
     paper_rows = read_paper_table(paper_table) if paper_table is not None and Path(paper_table).exists() else []
+    transfers = load_transfers(results_dir) if results_dir.is_dir() else []
     link_prefix = ""
     if runs_dir is not None:
         link_prefix = Path(os.path.relpath(Path(runs_dir).resolve(), out_path.parent.resolve())).as_posix() + "/"
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     note = (f"Generated by python -m cel_utils aggregate on {stamp} from {len(artifacts)} artifact(s) in "
             f"{results_dir.name}/.")
-    atomic_write(out_path, results_markdown(artifacts, paper_rows, runs_dir, link_prefix, note, strategies))
+    atomic_write(out_path, results_markdown(artifacts, paper_rows, runs_dir, link_prefix, note, strategies, transfers))
     return out_path

@@ -1,0 +1,161 @@
+"""The paper's Table 1 beside ours: one table (the paper's three models and any number of this project's models, by
+task), a sentence per task on what agrees and what does not, and what the CPU hour left out that ``--preset paper``
+on a GPU would add. Every word is chosen from the numbers: a run "agrees" only through its paired test and interval.
+"""
+from __future__ import annotations
+
+import pandas as pd
+
+from cel_utils.book.text import md_table
+from cel_utils.config import RunConfig, task_family
+
+PAPER_NOTE = "paper:"
+
+
+def _paper_models(paper_rows: list[dict]) -> list[str]:
+    from cel_utils.book.results_page import PAPER_MODELS
+
+    models = [m for m in PAPER_MODELS if any(r["model"] == m for r in paper_rows)]
+    return models + [m for m in dict.fromkeys(r["model"] for r in paper_rows) if m not in models]
+
+
+def _our_columns(table: pd.DataFrame) -> list[tuple[str, int]]:
+    return list(dict.fromkeys(zip(table.model, table.seed)))
+
+
+def _column_name(model: str, seed: int, columns: list[tuple[str, int]]) -> str:
+    return model if sum(m == model for m, _ in columns) == 1 else f"{model} (seed {seed})"
+
+
+def our_cell(run) -> str:
+    """``task: full -> ablated (gain), CI, p; verdict kind; calibration``, for one of our runs (a summary row)."""
+    kind = run.verdict.split(":")[0] if run.verdict != "n/a" else "n/a"
+    text = f"{run.holdout}, {run.ci or 'no test'}; **{kind}**"
+    if run.calibration_text != "n/a":
+        text += f"; calibration baseline {run.calibration_text}"
+    if task_family(run.task) != run.task:
+        text = f"{run.task}: {text}"
+    return text
+
+
+def _placement(low: float, high: float, gains: list[tuple[str, float]]) -> str:
+    inside = [m for m, g in gains if low <= g <= high]
+    if len(inside) == len(gains):
+        return "its interval holds all of the paper's gains"
+    if inside:
+        return f"its interval holds the paper's gains of {', '.join(inside)} but not the others"
+    if high < min(g for _, g in gains):
+        return "its interval lies below every gain the paper reports"
+    if low > max(g for _, g in gains):
+        return "its interval lies above every gain the paper reports"
+    return "its interval falls between the paper's gains"
+
+
+def task_sentence(family: str, runs: list, paper: list[tuple[str, float]]) -> str:
+    """What agrees and what does not, for one task: each of our runs' verdict and interval against the paper's gains."""
+    if paper:
+        low, high = min(g for _, g in paper), max(g for _, g in paper)
+        lead = (f"**{family}:** the paper's {len(paper)} models gain {low:+.2f} to {high:+.2f} points" if len(paper) > 1
+                else f"**{family}:** the paper's model gains {low:+.2f} points")
+    else:
+        lead = f"**{family}:** the paper reports no number for this task"
+    if not runs:
+        return lead + "; none of our models ran it."
+    parts = []
+    for run in runs:
+        kind = run.verdict.split(":")[0]
+        who = f"{run.model}{'' if task_family(run.task) == run.task else f' ({run.task})'}"
+        if run.ci_low is None:
+            parts.append(f"{who} has no paired test")
+            continue
+        where = _placement(run.ci_low, run.ci_high, paper) if paper else ""
+        interval = f"[{run.ci_low:+.1f}, {run.ci_high:+.1f}]"
+        if kind.startswith("a significant gain"):
+            verdict = f"{who} agrees in direction, a significant gain of {run.gain_points:+.1f} points {interval}"
+        elif kind.startswith("a significant loss"):
+            verdict = f"{who} disagrees: the ablation significantly hurts ({run.gain_points:+.1f} points {interval})"
+        elif kind == "not significant" and paper and run.ci_high < min(g for _, g in paper):
+            verdict = (f"{who} disagrees: no significant gain ({run.gain_points:+.1f} points), and its interval "
+                       f"{interval} rules out gains as large as the paper's at 95% confidence")
+            where = ""
+        else:
+            verdict = (f"{who} neither confirms nor contradicts it: {run.gain_points:+.1f} points {interval}, "
+                       + ("changing too few answers for the test to detect any gain" if kind == "underpowered"
+                          else "not significant"))
+            where = "" if kind == "underpowered" else where  # a degenerate interval places nothing
+        parts.append(verdict + (f"; {where}" if where else ""))
+    return lead + "; " + "; ".join(parts) + "."
+
+
+def side_by_side(table: pd.DataFrame, paper_rows: list[dict]) -> list[str]:
+    """The section: one table (tasks x the paper's models and ours) and a sentence per task."""
+    from cel_utils.book.results_page import TASK_ORDER, paper_cell
+
+    paper_models = _paper_models(paper_rows)
+    columns = _our_columns(table) if not table.empty else []
+    families = [f for f in TASK_ORDER if any(r["task"] == f for r in paper_rows)
+                or (not table.empty and any(task_family(t) == f for t in table.task))]
+    lookup = {(r["model"], r["task"]): r for r in paper_rows}
+    body, sentences = [], []
+    for family in families:
+        row = [family] + [paper_cell(lookup[m, family]) if (m, family) in lookup else "" for m in paper_models]
+        runs_here = []
+        for model, seed in columns:
+            runs = [r for r in table.itertuples() if r.model == model and r.seed == seed and task_family(r.task) == family]
+            row.append("; ".join(our_cell(r) for r in runs))
+            runs_here += runs
+        body.append(row)
+        paper = [(m, float(lookup[m, family]["gain_points"])) for m in paper_models if (m, family) in lookup]
+        sentences.append(task_sentence(family, runs_here, paper))
+    header = (["task"] + [f"{PAPER_NOTE} {m.replace('SmolLM3-3B', 'SmolLM3-3B (non-thinking)')}" for m in paper_models]
+              + [_column_name(m, s, columns) for m, s in columns])
+    return ["## The paper's Table 1 beside ours", "",
+            "The paper's three 3B models (its Table 1, as printed: full -> ablated (gain), relative error reduction) "
+            "and this project's models on the same four tasks (full -> ablated (gain) on our holdout, the gain's 95% "
+            "paired bootstrap interval and exact McNemar p, the verdict, and for multiple choice the calibration "
+            "baseline's gain). The models differ (ours are far smaller), and so do the sizes: the sentences below "
+            "compare directions and intervals, not the exact numbers.", "",
+            md_table(header, body), "", *[f"* {s}" for s in sentences], ""]
+
+
+def _stage1(config: dict) -> str:
+    return ("exact (every head)" if config.get("stage1", "exact") == "exact"
+            else f"screened ({config.get('screen')}, m = {config.get('screen_keep')})")
+
+
+def hour_note(artifacts: list[dict], transfers: list[dict]) -> list[str]:
+    """What the CPU runs left out, per task, against what ``--preset paper`` (a GPU) runs: generated from the
+    artifacts' configurations and the paper preset's."""
+    from cel_utils.tasks.specs import get_task
+
+    rows = []
+    for art in sorted(artifacts, key=lambda a: (a["model"]["name"], a["task"]["name"], a["config"]["seed"])):
+        c = art["config"]
+        if c.get("preset") == "paper":
+            continue
+        paper = RunConfig.from_dict({"task": c["task"], "preset": "paper"})
+        d, h = get_task(c["task"]).paper_sizes
+        transfer = next((t for t in transfers if t["model"]["name"] == art["model"]["name"] and t["seed"] == c["seed"]),
+                        None)
+        sub = [x for x in (transfer or {}).get("cells", []) if x["target"] == art["task"]["name"] and not x["diagonal"]]
+        rows.append([f"{art['model']['name']}, {c['task']}",
+                     f"{art['data'].get('n_discovery')} / {art['holdout']['n_items']}",
+                     f"{paper.n_discovery or d:,} / {paper.n_holdout or h:,} (or as many as the data hold)",
+                     f"{_stage1(c)}, p = {c['p']}, k = {c['k']}",
+                     f"{_stage1({'stage1': paper.stage1})}, p = {paper.p}, k = {paper.k}",
+                     f"{c.get('n_random_sets', '?')}" + (f" on {c['null_items']} items" if c.get("null_items") else "")
+                     + f", {c.get('n_resamples', '?')} resamples",
+                     f"{paper.n_random_sets}, {paper.n_resamples} resamples",
+                     f"{sub[0]['n_items']} of {sub[0]['n_holdout']}" if sub else "none"])
+    if not rows:
+        return []
+    return ["```{admonition} What the CPU hour left out, and what --preset paper on a GPU adds", ":class: note",
+            "On two CPU cores the main job runs the `cpu` preset: small discovery and holdout sets, a screened stage 1 "
+            "(a cheap screen picks the *m* heads evaluated exactly), a small pool and budget, a few random sets and "
+            "resamples, and the transfer matrix on a subset of each holdout. `python -m cel_utils main --preset paper` "
+            "on a GPU runs the paper's protocol instead: Table 3's sizes, exact stage 1 over every head, p = 10, "
+            "k = 3, the full random-set null and stability resamples, and every transfer cell on the whole holdout; "
+            "the smaller intervals would then show what the `cpu` runs cannot resolve. Per run:", "",
+            md_table(["run", "discovery / holdout (this book)", "discovery / holdout (paper preset)",
+                      "search (this book)", "search (paper preset)", "random sets, resamples (this book)",
+                      "random sets, resamples (paper preset)", "transfer items (this book)"], rows), "```", ""]
