@@ -4,9 +4,9 @@ A decision can only flip where its margin is smaller than the rounding error. Th
 (item, intervention) pair on a bf16 copy of the model and recomputes in fp32 (:meth:`EngineEvaluator.pair_stats`) the
 pairs whose bf16 *decision margin* lies inside a guard band that bounds bf16's error on that margin:
 
-* multiple choice and BoolQ: the gap between the chosen answer's score and the runner-up's, the smallest over the
-  task's metrics (``acc``, ``acc_norm``); its error is bounded by the spread of the answers' score errors (the largest
-  minus the smallest, so a shift shared by all answers, such as the softmax normaliser, costs nothing);
+* multiple choice and BoolQ: the gap between the chosen answer's score and the runner-up's under the primary metric
+  (HellaSwag's ``acc_norm``, BoolQ's ``acc``); its error is bounded by the spread of the answers' score errors (the
+  largest minus the smallest, so a shift shared by all answers, such as the softmax normaliser, costs nothing);
 * arithmetic (teacher-forced greedy match): the smallest per-token margin of the target (target logit minus the best
   other), whose sign is the decision; its error is the difference of the two precisions' smallest margins.
 
@@ -18,9 +18,10 @@ widens the band for the rest of the run (and rechecks what the wider band takes 
 differs between the precisions, outside the band, means the evidence was wrong: that call and every later one are
 computed in fp32 (the run *falls back*) and the artifact says so.
 
-What is exact and what is not. A guarded decision equals fp32's (up to fp32's own float ties, which the fast engine
-and the naive path share). The numbers beside the decisions are not fp32's: a pair outside the band keeps bf16's
-margin and scores. The store keeps bf16 statistics under a bf16 context (its key has the dtype) and fp32's under
+What is exact and what is not. A guarded decision under the primary metric (``correct``, the chosen answer) equals
+fp32's (up to fp32's own float ties, which the fast engine and the naive path share). The numbers beside the decisions
+are not fp32's: a pair outside the band keeps bf16's margin and scores, and its secondary metric (HellaSwag's ``acc``,
+reported beside ``acc_norm``) is bf16's, approximate. The store keeps bf16 statistics under a bf16 context (its key has the dtype) and fp32's under
 fp32's, so neither is ever served as the other; guarded outcomes themselves are composed anew from those each call,
 and the rechecked pairs (stacked otherwise than the full product) are not stored. Generation (MBPP) is not guarded
 yet: under ``guarded`` it decodes in fp32.
@@ -78,9 +79,13 @@ def bf16_model(lm: LoadedModel) -> LoadedModel:
 # --- margins and their errors ------------------------------------------------------------------------------------
 
 def _choice_scores(task, request, stats: ContinuationStats) -> list[np.ndarray]:
-    """The answers' scores under each of the task's metrics (as :func:`cel_utils.tasks.scoring.decide_choice`)."""
+    """The answers' scores under the task's primary metric (as :func:`cel_utils.tasks.scoring.decide_choice`).
+
+    Only the primary one: it makes every decision the search, the holdout and the statistics use. Guarding HellaSwag's
+    secondary ``acc`` too (unnormalised sums over ~20 tokens, bf16 errors up to 1.6 on 32 items x 13 interventions,
+    against 0.02 for ``acc_norm``) sent every pair to fp32."""
     chars = np.asarray(request.choice_chars, dtype=np.float64)
-    return [stats.ll if name == "acc" else stats.ll / chars for name in task.all_metrics]
+    return [stats.ll if task.metric == "acc" else stats.ll / chars]
 
 
 def decision_margin(kind: str, task, request, stats: ContinuationStats) -> float:
@@ -110,9 +115,13 @@ def decision(kind: str, task, request, stats: ContinuationStats) -> tuple:
 
 
 def error_scales(kind: str, requests: Sequence) -> np.ndarray:
-    """Per request, what bf16's error on its decision margin grows with, in units the band is stated in.
+    """Per request, what bf16's error on its decision margin grows with, in units the band is stated in: 1, one band per
+    task (each run's guard sees one task).
 
-    TODO(precision): measured scaling; 1 = one band for the whole task."""
+    Measured on the default model (32 items x 13 interventions per task, 3-shot arithmetic_1dc): scaling by the answer's
+    token count or the context's length did not narrow the band (the share of pairs inside a 2x band stayed 23-30%, or
+    grew), and scaling by each item's own full-model error made it grow (38-84%): the error is not an item's property
+    that one audited pair predicts. Kept as the place a better predictor goes."""
     return np.ones(len(requests))
 
 
