@@ -35,6 +35,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 ENGINES = ("fast", "naive")
 RESAMPLE_METHODS = ("bootstrap", "halves")
 STAGE1_MODES = ("exact", "screened")
+PRECISIONS = ("fp32", "bf16", "guarded", "auto")  # cel_utils.evaluation.guarded
 ATTENTION_KERNELS = ("sdpa", "eager", "flash_attention_2")
 PRESET_NAMES = ("auto", "cpu", "paper", "quick", "smoke", "none")
 
@@ -89,6 +90,11 @@ class RunConfig:
                                        "on a GPU; halved automatically on out-of-memory)", results=False, minimum=1)
     engine: str = setting("fast", "fast (the exact engine that reuses shared work) or naive (one full forward per "
                           "intervention)", choices=ENGINES)
+    precision: str = setting("fp32", "what the evaluations compute in: fp32 (the model as loaded, float32 unless dtype "
+                             "says otherwise), bf16 (a bfloat16 copy; approximate: rounding flips ~1% of decisions), "
+                             "guarded (bf16, with fp32 recomputing every decision bf16's audited error could flip: fp32's "
+                             "decisions), auto (guarded where the device computes bf16 natively, else fp32); see "
+                             "cel_utils.evaluation.guarded", choices=PRECISIONS)
     cache: bool = setting(True, "keep every finished evaluation in the store under $CEL_CACHE_DIR (a killed run "
                           "resumes); off: compute everything afresh and store nothing", results=False)
     stage1: str = setting("exact", "stage 1 of Algorithm 1: exact (every head evaluated on every discovery item, the "
@@ -156,6 +162,12 @@ class RunConfig:
         if self.revision is not None and check_model_spec(self.model) != "hub":
             raise ValueError(f"revision {self.revision!r} names a hub commit, but model {self.model!r} is not a hub id: "
                              "drop revision")
+        if self.precision in ("guarded", "auto") and self.dtype not in ("auto", "float32", "fp32"):
+            raise ValueError(f"precision {self.precision} rechecks bfloat16's decisions in float32, but dtype is "
+                             f"{self.dtype}: use dtype auto or float32, or precision bf16 or fp32")
+        if self.precision == "guarded" and self.engine != "fast":
+            raise ValueError("precision guarded rechecks single (item, intervention) pairs with the fast engine: use "
+                             "engine fast, or precision bf16 or fp32 with the naive engine")
         if self.stage1 == "screened":
             from cel_utils.evaluation.kinds import kind_of
 

@@ -23,6 +23,7 @@ NON_DEFAULT = {
     "batch_size": 3, "device": "cpu", "dtype": "bfloat16", "attn_implementation": "eager", "revision": None,
     "device_map": "auto", "token_budget": 512, "engine": "naive", "cache": False, "stage1": "screened",
     "screen": "boundary", "screen_keep": 6, "screen_candidates": 7, "screen_items": 4, "n_random_sets": 2, "null_items": 5, "n_resamples": 1, "resample": "halves",
+    "precision": "bf16",
 }
 EFFECT = {  # besides the artifact's config section: where the setting shows in what was computed
     "model": lambda a: a["model"]["spec"] == "random:llama:tiny",
@@ -47,6 +48,7 @@ EFFECT = {  # besides the artifact's config section: where the setting shows in 
     "null_items": lambda a: a["reliability"]["null"]["n_items"] == 5,
     "n_resamples": lambda a: a["reliability"]["stability"]["n_resamples"] == 1,
     "resample": lambda a: a["reliability"]["stability"]["method"] == "halves",
+    "precision": lambda a: a["precision"]["resolved"] == "bf16" and a["precision"]["approximate"],
 }
 
 
@@ -102,7 +104,8 @@ def test_a_setting_given_to_the_grid_reaches_the_artifact(ran, name):
 ALTERNATIVE = {"bos": "never", "attn_implementation": "sdpa", "n_discovery": 4, "n_holdout": 6, "p": 2, "k": 2, "fmt": "plain", "num_fewshot": 0, "max_new_tokens": 21,
                "device": "auto", "dtype": "float32", "engine": "fast", "stage1": "exact", "screen": "attribution",
                "screen_keep": 7, "screen_candidates": 8, "screen_items": 5,
-               "n_random_sets": 3, "null_items": 6, "n_resamples": 2, "resample": "bootstrap"}
+               "n_random_sets": 3, "null_items": 6, "n_resamples": 2, "resample": "bootstrap",
+               "precision": "fp32"}
 IDENTITY = {"model", "task", "seed"}  # another value is another cell (another file name)
 
 

@@ -24,12 +24,15 @@ SETTINGS = dict(model="random:llama:tiny", n_discovery=6, n_holdout=8, p=3, k=2,
 # issue 14: BOS as the tokenizer adds it by default (SmolLM2's: none, as before); the model and memory options
 ADDED_SETTINGS = {"bos": "auto", "attn_implementation": "sdpa", "revision": None, "device_map": None, "token_budget": None,
                   "screen_candidates": 80, "screen_items": 16,
-                  "null_items": None}  # issue 13: the random-set null on a subset of the holdout (none: all, as before)
+                  "null_items": None,  # issue 13: the random-set null on a subset of the holdout (none: all, as before)
+                  "precision": "fp32"}  # issue 27: fp32 is the computation the fixtures were made with
 REMOVED_SETTINGS: dict = {}
 ADDED_HOLDOUT: set = set()
 # The prompt as resolved: the default model's tokenizer adds no BOS, so its token sequences (and every number below)
 # are unchanged by the BOS policy.
-ADDED_SECTIONS = {"prompt": {"format": "plain", "bos": False}}
+ADDED_SECTIONS = {"prompt": {"format": "plain", "bos": False},
+                  # issue 27: the precision the evaluations computed in (fp32, as the fixtures were), no guard audit
+                  "precision": {"setting": "fp32", "resolved": "fp32", "approximate": False, "audit": None}}
 ADDED_RELIABILITY = {"power", "calibration", "verdict"}  # issue 13: power, the calibration baseline, the verdict
 # Values that changed on purpose, (section, key) -> the change: each must differ from the fixture's.
 CHANGED = {("model", "fingerprint"): "issue 16: the sha256 of every tensor (of the weight files, for checkpoints), "

@@ -11,7 +11,7 @@ from cel_utils.evaluation.store import source_sha256
 # store_kind -> sha256 of its store_sources (cel_utils.evaluation.store.source_sha256).
 RECORDED = {
     "naive-1": "5a93437428915e4a7275a5bf1f33302e879ec397ae7cf77aa10a5bc214cdf00b",
-    "engine-1": "93d08935e3080c2c910d5d6946edfac850f890da44e3896b1e5a66e05bcd80a3",
+    "engine-1": "b84400380623b88baf343f2f1d13047db30ce2436b91c47bd0af7c139a37dcb6",
 }
 WHERE = {NaiveEvaluator: "store_kind in cel_utils/evaluation/evaluator.py",
          EngineEvaluator: "ENGINE_VERSION in cel_utils/evaluation/engine.py"}

@@ -36,6 +36,7 @@ def run_overview(artifact: dict) -> pd.DataFrame:
         "model": f"{model['name']} ({model['source'].get('kind', '?')}: {cfg['model']})",
         "heads": f"{geo['n_layers']} layers x {geo['n_heads']} query heads ({geo['n_kv_heads']} KV heads), head_dim {geo['head_dim']}",
         "weights": f"{model['dtype']} on {model['device']}, fingerprint {model['fingerprint']}",
+        "precision": precision_text(artifact),
         "task": f"{artifact['task']['name']} (primary metric {artifact['task']['metric']}, prompt format {cfg['fmt']})",
         "items": f"{data.get('n_discovery')} discovery, {data.get('n_holdout')} holdout, {data.get('num_fewshot')} few-shot",
         "data": provenance_text(data),
@@ -48,6 +49,26 @@ def run_overview(artifact: dict) -> pd.DataFrame:
                      f"null and stability {timings.get('reliability_s', 0.0):.1f} s)",
     }
     return pd.DataFrame({"": list(rows.values())}, index=pd.Index(list(rows), name="run"))
+
+
+def precision_text(artifact: dict) -> str:
+    """What the evaluations computed in (issue 27), and for the guarded precision what its audit saw."""
+    record = artifact.get("precision")
+    if record is None:
+        return "fp32 (recorded since issue 27)"
+    text = record["resolved"] + ("" if record["setting"] == record["resolved"] else f" (setting {record['setting']})")
+    if record.get("approximate"):
+        return text + ": plain bfloat16, every number on this page is approximate (rounding flips ~1% of decisions)"
+    audit = record.get("audit")
+    if not audit:
+        return text
+    text += (f": bf16 with fp32's decisions; {audit['pairs']} pairs, {audit['share_rechecked'] or 0:.1%} rechecked in "
+             f"fp32 (band {audit['band_per_unit_scale']:.3g} = {audit['multiple']:g} x the largest audited error "
+             f"{audit['largest_error']:.3g}), {audit['audited']} audited outside the band, "
+             f"{audit['bf16_decisions_caught']} bf16 decisions corrected")
+    if audit.get("fell_back_to_fp32"):
+        text += f"; FELL BACK TO FP32: {audit['fell_back_to_fp32']}"
+    return text
 
 
 def stage1_text(artifact: dict) -> str:

@@ -202,6 +202,61 @@ class EngineEvaluator(Evaluator):
         progress.close()
         return per
 
+    @torch.no_grad()
+    def pair_stats(self, pairs: Sequence[tuple[int, Intervention]]) -> list[ContinuationStats]:
+        """The statistics of single (item index, intervention) pairs, without the rest of either's product.
+
+        The guarded precision (:mod:`cel_utils.evaluation.guarded`) rechecks scattered pairs: per batch of items that
+        holds one, a clean pass keeps the states below each starting layer (as :meth:`continuation_stats` does), then
+        the pairs run stacked as rows, each with its own item's tokens, kept state and head mask. Nothing is stored:
+        the stacking differs from the full product's, so the numbers agree with it to float rounding, not to the bit.
+        """
+        n_layers = self.lm.geometry.n_layers
+        model, geometry = self.lm.model, self.lm.geometry
+        out: list = [None] * len(pairs)
+        batch_of = {item: b for b, batch in enumerate(self.batches) for item in batch}
+        by_batch: dict[int, list[int]] = {}
+        for p, (item, _) in enumerate(pairs):
+            by_batch.setdefault(batch_of[item], []).append(p)
+        start = {p: min(h.layer for h in heads) if heads else n_layers for p, (_, heads) in enumerate(pairs)}
+        clean_prefix = prefix_states(self.lm, self.prefix, (), None, 1) if self.prefix else None
+        for b, members in sorted(by_batch.items()):
+            batch = self.batches[b]
+            rows = [self.rows[i] for i in batch]
+            where = {item: r for r, item in enumerate(batch)}
+            wanted = sorted({start[p] - 1 for p in members if 0 < start[p] < n_layers})
+            ids, positions, attn = self._inputs(rows)
+            with attention_with_mask(model, attn), capture_layer_outputs(model, wanted) as kept:
+                clean = base_model(model)(input_ids=ids, position_ids=positions, attention_mask=attn,
+                                          **self._prefix_kwargs(clean_prefix, len(batch))).last_hidden_state
+            stack = max(1, self.token_budget // ids.shape[1])
+            if self.prefix:
+                stack = max(1, min(stack, PREFIX_CACHE_BYTES // self._prefix_bytes()))
+            for layer in sorted({start[p] for p in members}):
+                group = [p for p in members if start[p] == layer]
+                for s in range(0, len(group), stack):
+                    chunk = group[s:s + stack]
+                    index = torch.tensor([where[pairs[p][0]] for p in chunk], device=ids.device)
+                    if layer == n_layers:
+                        hidden = clean[index]
+                    else:
+                        row_masks = torch.stack([head_mask(pairs[p][1], geometry) for p in chunk])
+                        states = (prefix_states(self.lm, self.prefix, None, row_masks, len(chunk))
+                                  if self.prefix else None)
+                        chunk_attn = None if attn is None else attn[index]
+                        with attention_with_mask(model, chunk_attn), ablated_rows(model, row_masks, geometry), \
+                                start_at_layer(model, layer, kept[layer - 1][index] if layer > 0 else None):
+                            hidden = base_model(model)(
+                                input_ids=ids[index], attention_mask=chunk_attn,
+                                position_ids=None if positions is None else positions[index],
+                                **self._prefix_kwargs(states, 1)).last_hidden_state
+                    found: list = [None] * len(chunk)
+                    self._collect(found, list(range(len(chunk))), [self.rows[pairs[p][0]] for p in chunk], hidden)
+                    for p, stats in zip(chunk, found):
+                        out[p] = stats
+            del kept
+        return out
+
     def _prefix_bytes(self) -> int:
         """Memory of one row's copy of the prefix's keys and values."""
         geometry = self.lm.geometry

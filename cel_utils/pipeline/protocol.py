@@ -10,12 +10,15 @@ from pathlib import Path
 import numpy as np
 
 from cel_utils.config import RunConfig
+import torch
+
 from cel_utils.evaluation.evaluator import Evaluator, NaiveEvaluator
+from cel_utils.evaluation.guarded import Guard, GuardedEvaluator, bf16_model, resolve_precision
 from cel_utils.evaluation.outcomes import OutcomeTable
 from cel_utils.evaluation.sandbox import isolation_report
 from cel_utils.evaluation.store import EvalStore
 from cel_utils.models.heads import HeadGeometry, format_heads
-from cel_utils.models.loading import LoadedModel, load_model
+from cel_utils.models.loading import LoadedModel, load_model, resolve_device
 from cel_utils.pipeline.artifacts import SCHEMA_VERSION, library_versions, run_info_path, utc_now, write_json
 from cel_utils.pipeline.examples import flip_examples
 from cel_utils.search.algorithm import HoldoutResult, SearchResult, check_search_params, evaluate_holdout, run_search
@@ -37,25 +40,55 @@ class CelRun:
     timings: dict = field(default_factory=dict)
 
 
+def run_precision(config: RunConfig, device) -> str:
+    """``config.precision`` as it resolves on ``device`` (``auto``: guarded with bf16 units and the fast engine)."""
+    precision = resolve_precision(config.precision, device)
+    return "fp32" if precision == "guarded" and config.precision == "auto" and config.engine != "fast" else precision
+
+
 def load_for(config: RunConfig) -> LoadedModel:
-    """The model as ``config`` says: spec, device, dtype, attention kernel, revision, device map."""
-    return load_model(config.model, device=config.device, dtype=config.dtype, attn_implementation=config.attn_implementation,
+    """The model as ``config`` says: spec, device, dtype, attention kernel, revision, device map. A bf16 or guarded
+    precision computes from float32 weights, so with dtype auto those are loaded (also on a GPU)."""
+    dtype = config.dtype
+    if dtype == "auto" and config.precision != "fp32" and run_precision(config, resolve_device(config.device)) != "fp32":
+        dtype = "float32"
+    return load_model(config.model, device=config.device, dtype=dtype, attn_implementation=config.attn_implementation,
                       revision=config.revision, device_map=config.device_map)
 
 
 def make_evaluator(lm: LoadedModel, data: TaskData, items, config: RunConfig, progress: bool | str = True,
-                   store: EvalStore | None = None) -> Evaluator:
+                   store: EvalStore | None = None, guard: Guard | None = None) -> Evaluator:
     """An evaluator of ``items`` as ``config`` says; with ``config.cache`` it reads and writes ``store``
-    (default: the store under $CEL_CACHE_DIR)."""
+    (default: the store under $CEL_CACHE_DIR). Under the guarded precision, ``guard`` holds the run's evidence about
+    bf16's error (shared by the run's evaluators; default: a fresh one)."""
     if config.cache and store is None:
         store = EvalStore()
     kwargs = dict(fmt=config.fmt, bos=config.bos, batch_size=config.batch_size, max_new_tokens=config.max_new_tokens, progress=progress,
                   store=store if config.cache else None)
-    if config.engine == "fast":
-        from cel_utils.evaluation.engine import EngineEvaluator
+    precision = run_precision(config, lm.device)
+    if precision == "guarded" and lm.dtype != torch.float32:
+        raise ValueError(f"precision guarded needs the model in float32 (it makes its own bfloat16 copy), got "
+                         f"{str(lm.dtype).removeprefix('torch.')}: load it with dtype float32, or use precision fp32")
 
-        return EngineEvaluator(lm, data.task, items, data.fewshot, token_budget=config.token_budget, **kwargs)
-    return NaiveEvaluator(lm, data.task, items, data.fewshot, **kwargs)
+    def build(model: LoadedModel) -> Evaluator:
+        if config.engine == "fast":
+            from cel_utils.evaluation.engine import EngineEvaluator
+
+            return EngineEvaluator(model, data.task, items, data.fewshot, token_budget=config.token_budget, **kwargs)
+        return NaiveEvaluator(model, data.task, items, data.fewshot, **kwargs)
+
+    if precision == "bf16":
+        return build(bf16_model(lm))
+    if precision == "guarded":
+        return GuardedEvaluator(build(lm), build(bf16_model(lm)), guard or Guard(seed=config.seed))
+    return build(lm)
+
+
+def precision_record(config: RunConfig, lm: LoadedModel, guard: Guard | None) -> dict:
+    """What the artifact says about the precision: the setting, what it resolved to here, and the guard's audit."""
+    precision = run_precision(config, lm.device)
+    return {"setting": config.precision, "resolved": precision, "approximate": precision == "bf16",
+            "audit": guard.to_json() if precision == "guarded" and guard is not None else None}
 
 
 def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool | str = True) -> CelRun:
@@ -71,12 +104,13 @@ def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool | s
         timings["model_load_s"] = time.perf_counter() - start
     check_search_params(config.p, config.k, lm.geometry.n_total)
     store = EvalStore() if config.cache else None
+    guard = Guard(seed=config.seed)  # used by the guarded precision only: one audit for the run's evaluators
 
     start = time.perf_counter()
     # Every evaluator is built (its items tokenized) before the search: a bad item fails now, not hours later.
-    holdout_evaluator = make_evaluator(lm, data, data.holdout, config, progress, store)
+    holdout_evaluator = make_evaluator(lm, data, data.holdout, config, progress, store, guard)
     # The table keeps every per-item outcome of the search, which the stability analysis resamples.
-    discovery = OutcomeTable(make_evaluator(lm, data, data.discovery, config, progress, store))
+    discovery = OutcomeTable(make_evaluator(lm, data, data.discovery, config, progress, store, guard))
     screen = (run_screen(config.screen, discovery, candidates=config.screen_candidates, items=config.screen_items)
               if config.stage1 == "screened" else None)
     if screen is not None:
@@ -96,14 +130,15 @@ def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool | s
     null_indices = null_evaluator = None
     if config.n_random_sets and config.null_items is not None and config.null_items < len(data.holdout):
         null_indices = null_item_indices(len(data.holdout), config.null_items, config.seed)
-        null_evaluator = make_evaluator(lm, data, [data.holdout[i] for i in null_indices], config, progress, store)
+        null_evaluator = make_evaluator(lm, data, [data.holdout[i] for i in null_indices], config, progress, store,
+                                        guard)
     reliability = assess_run(search, holdout, discovery, holdout_evaluator, n_random_sets=config.n_random_sets,
                              n_resamples=config.n_resamples, resample=config.resample, seed=config.seed,
                              calibration=calibration, null_evaluator=null_evaluator, null_indices=null_indices)
     timings["reliability_s"] = time.perf_counter() - start
     timings.update(reliability.pop("timings", None) or {})  # volatile: to the run info, not the artifact
 
-    payload = build_artifact(config, lm, data, search, holdout, reliability, examples)
+    payload = build_artifact(config, lm, data, search, holdout, reliability, examples, precision_record(config, lm, guard))
     # What differs between two runs of the same parameters goes beside the artifact, so that the artifact
     # itself is the same bytes every time (and after a resumed run). Written before the artifact, so an
     # artifact's run info is never an older run's.
@@ -122,7 +157,8 @@ def _bits(values: np.ndarray) -> list[int]:
 
 
 def build_artifact(config: RunConfig, lm: LoadedModel, data: TaskData, search: SearchResult, holdout: HoldoutResult,
-                   reliability: dict | None = None, examples: list[dict] | None = None) -> dict:
+                   reliability: dict | None = None, examples: list[dict] | None = None,
+                   precision: dict | None = None) -> dict:
     """The run's artifact: deterministic content only (creation time and timings are in the run info)."""
     geometry: HeadGeometry = lm.geometry
     return {
@@ -132,6 +168,9 @@ def build_artifact(config: RunConfig, lm: LoadedModel, data: TaskData, search: S
         "model": {"spec": lm.spec, "name": lm.name, "source": lm.source, "fingerprint": lm.fingerprint,
                   "dtype": str(lm.dtype).removeprefix("torch."), "device": str(lm.device),
                   "geometry": asdict(geometry), "model_type": lm.model.config.model_type},
+        # what the evaluations computed in, and the guarded precision's audit (cel_utils.evaluation.guarded)
+        "precision": precision or {"setting": config.precision, "resolved": config.precision, "approximate": False,
+                                   "audit": None},
         "prompt": {"format": config.fmt, "bos": resolve_bos(lm.tokenizer, config.bos)},  # bos: as this tokenizer resolved it
         "task": {"name": data.task.name, "kind": data.task.kind, "metric": data.task.metric,
                  "metrics": list(data.task.all_metrics)},

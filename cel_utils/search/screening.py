@@ -117,6 +117,7 @@ def run_screen(method: str, discovery, *, candidates: int = 80, items: int = 16)
     if method not in SCREENS:
         raise ValueError(f"unknown screen {method!r}: choose from {', '.join(SCREENS)}")
     evaluator = getattr(discovery, "evaluator", discovery)
+    evaluator = getattr(evaluator, "exact", evaluator)  # a guarded evaluator screens on its fp32 one (exact decisions)
     heads = evaluator.lm.geometry.all_heads()
     start = time.perf_counter()
     if method == "bf16":

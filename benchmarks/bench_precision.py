@@ -1,0 +1,94 @@
+"""Benchmark: fp32, plain bf16 and the guarded precision side by side, on the cpu preset's discovery items.
+
+    python benchmarks/bench_precision.py                                    # boolq, hellaswag, arithmetic_1dc
+    python benchmarks/bench_precision.py --tasks boolq --items 64 --heads 40 --pairs 10
+
+For each task, the same (item, intervention) pairs -- the full model, ``--heads`` single heads spread over the layers
+(0: all of them) and ``--pairs`` random pairs of heads -- are evaluated by the engine in fp32, in plain bf16 (a bfloat16
+copy of the model) and guarded (:mod:`cel_utils.evaluation.guarded`), without the store, one after the other in this
+process. It prints, per task: the decisions plain bf16 flips (against fp32, under the primary metric), the decisions
+the guarded path flips (must be 0), the share of pairs the guard rechecked in fp32, its band and largest audited error,
+and the wall time of each (and the ratios fp32 / bf16 and fp32 / guarded). Timings are from one run on a shared
+machine: compare the ratios, not the seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import numpy as np
+
+from cel_utils.config import RunConfig
+from cel_utils.evaluation.engine import EngineEvaluator
+from cel_utils.evaluation.guarded import Guard, GuardedEvaluator, bf16_model
+from cel_utils.hardware import machine_summary
+from cel_utils.models.loading import load_model
+from cel_utils.tasks.splits import load_task_data
+
+
+def _interventions(geometry, n_heads: int, n_pairs: int, seed: int = 0) -> list:
+    heads = geometry.all_heads()
+    singles = heads if not n_heads or n_heads >= len(heads) else [heads[j] for j in
+                                                                   np.linspace(0, len(heads) - 1, n_heads).astype(int)]
+    rng = np.random.default_rng(seed)
+    pairs = [tuple(sorted(heads[j] for j in rng.choice(len(heads), 2, replace=False))) for _ in range(n_pairs)]
+    return [()] + [(h,) for h in singles] + pairs
+
+
+def _flips(reference, candidate) -> int:
+    return int(sum((a.correct != b.correct).sum() + sum(x != y for x, y in zip(a.predictions, b.predictions))
+                   for a, b in zip(reference, candidate)))
+
+
+def bench_task(lm, task: str, n_items: int | None, n_heads: int, n_pairs: int) -> dict:
+    config = RunConfig.from_dict({"task": task, "preset": "cpu"})
+    data = load_task_data(task, config.n_discovery, config.n_holdout, seed=config.seed, num_fewshot=config.num_fewshot,
+                          data_dir=config.data_dir)
+    items = data.discovery[:n_items] if n_items else data.discovery
+    make = functools.partial(EngineEvaluator, task=data.task, items=items, fewshot=data.fewshot, progress=False)
+    interventions = _interventions(lm.geometry, n_heads, n_pairs)
+    times, outcomes = {}, {}
+    guard = Guard(seed=config.seed)
+    runs = {"fp32": lambda: make(lm), "bf16": lambda: make(bf16_model(lm)),
+            "guarded": lambda: GuardedEvaluator(make(lm), make(bf16_model(lm)), guard)}
+    for name, build in runs.items():
+        evaluator = build()
+        start = time.perf_counter()
+        outcomes[name] = evaluator.evaluate(interventions)
+        times[name] = time.perf_counter() - start
+    record = guard.to_json()
+    return {"task": task, "fewshot": len(data.fewshot), "items": len(items), "interventions": len(interventions),
+            "pairs": len(items) * len(interventions), "bf16_flips": _flips(outcomes["fp32"], outcomes["bf16"]),
+            "guarded_flips": _flips(outcomes["fp32"], outcomes["guarded"]), "share_rechecked": record["share_rechecked"],
+            "band": record["band_per_unit_scale"], "largest_error": record["largest_error"],
+            "fell_back": record["fell_back_to_fp32"], **{f"{k}_s": v for k, v in times.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", nargs="+", default=["boolq", "hellaswag", "arithmetic_1dc"])
+    parser.add_argument("--items", type=int, default=None, help="first n discovery items (default: all 128)")
+    parser.add_argument("--heads", type=int, default=0, help="single heads spread over the layers (0: all)")
+    parser.add_argument("--pairs", type=int, default=20, help="random pairs of heads")
+    args = parser.parse_args()
+    print(machine_summary(), flush=True)
+    lm = load_model(dtype="float32")
+    rows = []
+    for task in args.tasks:
+        row = bench_task(lm, task, args.items, args.heads, args.pairs)
+        rows.append(row)
+        print(row, flush=True)
+    print("\n| task | items x interventions | plain bf16 flips | guarded flips | share rechecked | band (2x largest error) "
+          "| fp32 s | bf16 s | guarded s | fp32/bf16 | fp32/guarded |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        fell = " (fell back)" if r["fell_back"] else ""
+        print(f"| {r['task']}{' %d-shot' % r['fewshot'] if r['fewshot'] else ''} | {r['items']} x {r['interventions']} "
+              f"| {r['bf16_flips']} of {r['pairs']} | {r['guarded_flips']}{fell} | {r['share_rechecked']:.1%} "
+              f"| {r['band']:.3g} | {r['fp32_s']:.0f} | {r['bf16_s']:.0f} | {r['guarded_s']:.0f} "
+              f"| {r['fp32_s'] / r['bf16_s']:.2f}x | {r['fp32_s'] / r['guarded_s']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

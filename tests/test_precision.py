@@ -1,0 +1,138 @@
+"""The guarded precision (issue 27): bf16 compute, fp32 recheck inside an audited band, fp32's decisions."""
+import copy
+import dataclasses
+import functools
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from cel_utils.book import run_page
+from cel_utils.config import RunConfig
+from cel_utils.evaluation.engine import EngineEvaluator
+from cel_utils.evaluation.guarded import Guard, GuardedEvaluator, bf16_model, resolve_precision
+from cel_utils.evaluation.store import EvalStore
+from cel_utils.models.heads import HeadId
+from cel_utils.pipeline import protocol
+from cel_utils.pipeline.protocol import run_cel
+from cel_utils.tasks.splits import load_task_data
+
+
+def _interventions(geometry, n: int):
+    """The full model, then ``n`` single heads spread over the layers."""
+    heads = geometry.all_heads()
+    return [()] + [(heads[j],) for j in np.linspace(0, len(heads) - 1, n).astype(int)]
+
+
+def ref_metric(outcome) -> str:
+    """The primary metric's name: the one whose vector is ``correct``."""
+    return next(name for name, values in outcome.metrics.items() if values is outcome.correct)
+
+
+def _same_decisions(reference, candidate) -> None:
+    """The primary metric's decisions and the chosen answers are fp32's (secondary metrics are not guarded)."""
+    for ref, out in zip(reference, candidate):
+        assert np.array_equal(ref.correct, out.correct)
+        assert ref.predictions == out.predictions
+        assert np.array_equal(ref.metrics[ref_metric(ref)], out.metrics[ref_metric(ref)])
+
+
+def _flips(reference, candidate) -> int:
+    return sum(int((ref.correct != out.correct).sum()) + sum(a != b for a, b in zip(ref.predictions, out.predictions))
+               for ref, out in zip(reference, candidate))
+
+
+def _perturbed(lm, scale: float = 0.3):
+    """A copy of ``lm`` with noise on its weights: a stand-in for bf16 that is wrong far more often than bf16 is on a tiny
+    random model (where bf16 moves no decision), so that a band too small meets decisions it got wrong."""
+    model = copy.deepcopy(lm.model)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(scale * parameter.std().nan_to_num(0) * torch.randn(parameter.shape, generator=generator))
+    return dataclasses.replace(lm, model=model)
+
+
+def test_a_band_set_too_small_falls_back_to_fp32_and_says_so(tiny_models, data_dir):
+    lm = tiny_models["llama"]
+    data = load_task_data("boolq", 8, 3, seed=0, data_dir=data_dir)
+    interventions = _interventions(lm.geometry, 6)
+    make = functools.partial(EngineEvaluator, task=data.task, items=data.discovery, progress=False)
+    exact = make(lm).evaluate(interventions)
+    assert _flips(exact, make(_perturbed(lm)).evaluate(interventions)) > 0, "nothing to catch: the test would be void"
+    # a band of zero trusts every low-precision margin; auditing every pair then meets a decision it got wrong
+    guard = Guard(multiple=0.0, audit_pairs=4, audit_share=1.0)
+    evaluator = GuardedEvaluator(make(lm), make(_perturbed(lm)), guard)
+    with pytest.warns(RuntimeWarning, match="computed in fp32"):
+        outcomes = evaluator.evaluate(interventions)
+    _same_decisions(exact, outcomes)
+    assert guard.fell_back and guard.differed > 0 and guard.to_json()["fell_back_to_fp32"] == guard.fell_back
+    evaluator.evaluate(interventions[:3])  # after the fall-back, fp32 alone
+    assert guard.fp32_pairs == (len(interventions) + 3) * len(data.discovery)
+
+
+def test_a_run_that_falls_back_records_it_in_its_artifact(tiny_models, data_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CEL_DATA_DIR", data_dir)
+    settings = dict(model="random:llama:tiny", task="boolq", n_discovery=6, n_holdout=6, p=2, k=2, batch_size=4,
+                    n_random_sets=2, n_resamples=0, cache=False)
+    lm = tiny_models["llama"]
+    reference = json.loads(run_cel(RunConfig(**settings, results_dir="fp32"), lm=lm, progress=False).artifact.read_text())
+    monkeypatch.setattr(protocol, "Guard", functools.partial(Guard, multiple=0.0, audit_share=1.0))
+    monkeypatch.setattr(protocol, "bf16_model", _perturbed)
+    with pytest.warns(RuntimeWarning, match="computed in fp32"):
+        run = run_cel(RunConfig(**settings, precision="guarded", results_dir="guarded"), lm=lm, progress=False)
+    artifact = json.loads(run.artifact.read_text())
+    assert artifact["precision"]["resolved"] == "guarded"
+    assert "an audited bf16 decision differed" in artifact["precision"]["audit"]["fell_back_to_fp32"]
+    assert reference["precision"]["audit"] is None
+    assert "FELL BACK TO FP32: boolq: an audited bf16 decision differed" in run_page.precision_text(artifact)
+    assert run_page.precision_text(reference) == "fp32"
+    for section in ("discovery", "stage1", "stage2", "frozen"):
+        assert artifact[section] == reference[section], section
+    assert artifact["holdout"]["full_correct"] == reference["holdout"]["full_correct"]
+    assert artifact["holdout"]["ablated_correct"] == reference["holdout"]["ablated_correct"]
+
+
+@pytest.mark.parametrize("task, fewshot", [("boolq", 0), ("hellaswag", 0), ("arithmetic_1dc", 3)])
+def test_guarded_decides_as_fp32_on_the_default_model(default_model, data_dir, task, fewshot):
+    data = load_task_data(task, 8, 3, seed=0, num_fewshot=fewshot, data_dir=data_dir)
+    interventions = _interventions(default_model.geometry, 3)
+    make = functools.partial(EngineEvaluator, task=data.task, items=data.discovery, fewshot=data.fewshot, progress=False)
+    exact = make(default_model).evaluate(interventions)
+    guard = Guard(audit_pairs=8)
+    outcomes = GuardedEvaluator(make(default_model), make(bf16_model(default_model)), guard).evaluate(interventions)
+    _same_decisions(exact, outcomes)
+    record = guard.to_json()
+    assert record["pairs"] == len(interventions) * len(data.discovery) and not record["fell_back_to_fp32"]
+    assert record["largest_error"] > 0  # bf16 was computed and audited, not fp32 twice
+    assert record["share_rechecked"] < 1  # most decisions were bf16's
+
+
+def test_auto_is_guarded_only_where_bf16_is_native(monkeypatch):
+    from cel_utils import hardware
+
+    for flags, expected in [({"avx2", "avx512f"}, "fp32"), ({"avx512f", "amx_bf16"}, "guarded"),
+                            ({"avx512_bf16"}, "guarded")]:
+        monkeypatch.setattr(hardware, "cpu_info", lambda flags=flags: {"model": "test", "flags": flags})
+        assert resolve_precision("auto", "cpu") == expected
+    assert resolve_precision("bf16", "cpu") == "bf16"
+    with pytest.raises(ValueError, match="choose from"):
+        resolve_precision("fp16", "cpu")
+    with pytest.raises(ValueError, match="dtype"):
+        RunConfig(task="boolq", precision="guarded", dtype="bfloat16").validate()
+
+
+def test_bf16_numbers_are_never_served_as_fp32_ones(tiny_models, data_dir, tmp_path):
+    lm = tiny_models["llama"]
+    data = load_task_data("boolq", 6, 3, seed=0, data_dir=data_dir)
+    store = EvalStore(tmp_path)
+    interventions = _interventions(lm.geometry, 3)
+    EngineEvaluator(bf16_model(lm), data.task, data.discovery, progress=False, store=store).evaluate(interventions)
+    assert store.read == 0 and store.computed > 0
+    EngineEvaluator(lm, data.task, data.discovery, progress=False, store=store).evaluate(interventions)
+    assert store.read == 0  # the fp32 evaluator found nothing of bf16's
+    EngineEvaluator(lm, data.task, data.discovery, progress=False, store=store).evaluate(interventions)
+    assert store.read > 0  # ... and its own records the second time
+
