@@ -13,7 +13,7 @@ SHARED_DATA = (REPO.parent / "shared" / "data").resolve()
 
 # The files with the slowest tests, slowest first (pytest --durations): pytest-xdist hands each file to a worker in
 # collection order, so these start first and the two workers end together instead of one waiting on the other.
-SLOW_FILES = ("test_determinism.py", "test_slurm.py", "test_end_to_end.py", "test_screening.py", "test_resume.py",
+SLOW_FILES = ("test_determinism.py", "test_slurm.py", "test_end_to_end.py", "test_screening.py", "test_precision.py", "test_resume.py",
               "test_book.py", "test_strategies.py")
 
 
