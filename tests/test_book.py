@@ -238,10 +238,10 @@ def test_pages_workflow_builds_the_book_and_deploys_it():
 # --- in a browser, with no network -------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def browser_ws(tmp_path_factory):
+def browser():
     """Headless Chromium; missing or failing to start, a failure in CI and a skip elsewhere (browser.unavailable)."""
-    with browser_or_unavailable(tmp_path_factory.mktemp("chromium-profile")) as ws:
-        yield ws
+    with browser_or_unavailable() as chromium:
+        yield chromium
 
 
 def test_a_browser_that_cannot_run_fails_in_ci_and_skips_elsewhere(tmp_path):
@@ -252,14 +252,14 @@ def test_a_browser_that_cannot_run_fails_in_ci_and_skips_elsewhere(tmp_path):
         with pytest.raises(pytest.skip.Exception, match="no browser here"):
             unavailable("no browser here", env)
     with pytest.raises(pytest.fail.Exception, match="needs headless Chromium"):  # not installed
-        with browser_or_unavailable(tmp_path / "none", executable=None, env={"CI": "true"}):
+        with browser_or_unavailable(executable=None, env={"CI": "true"}):
             pass
     for broken in (str(tmp_path / "no-such-chromium"), shutil.which("false")):  # not there; exits before its port opens
         with pytest.raises(pytest.fail.Exception, match="did not start"):
-            with browser_or_unavailable(tmp_path / "profile", executable=broken, env={"CI": "true"}):
+            with browser_or_unavailable(executable=broken, env={"CI": "true"}):
                 pass
         with pytest.raises(pytest.skip.Exception, match="did not start"):
-            with browser_or_unavailable(tmp_path / "profile", executable=broken, env={}):
+            with browser_or_unavailable(executable=broken, env={}):
                 pass
 
 
@@ -271,7 +271,7 @@ def report_line(name: str, report) -> str:
 
 
 @pytest.mark.browser
-def test_offline_pages_render_math_and_figures_without_errors(browser_ws, built):  # no browser: no book built
+def test_offline_pages_render_math_and_figures_without_errors(browser, built):  # no browser: no book built
     """Every page of the table of contents (runs included), opened offline: no errors, every formula typeset as
     written and no TeX left as text; the pages in PAGES also show what they are for."""
     pages = toc_pages(built)
@@ -280,7 +280,7 @@ def test_offline_pages_render_math_and_figures_without_errors(browser_ws, built)
     lines, broken = [], {}
     for page in pages:
         name = names.get(page, page.removeprefix("book/").removesuffix(".html"))
-        report = visit(browser_ws, (built / page).as_uri(), hover_heatmap=(name == "run"))
+        report = visit(browser, (built / page).as_uri(), hover_heatmap=(name == "run"))
         lines.append(report_line(name, report))
         problems = report.math_problems() + report.console_errors + report.failed_requests + report.offsite("file://")
         problems += [f"image not loaded: {src}" for src, ok in report.probe["images"] if not ok]
@@ -306,7 +306,7 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
 
 
 @pytest.mark.browser
-def test_site_served_from_a_sub_path_loads_every_page_and_asset(browser_ws, built, tmp_path):
+def test_site_served_from_a_sub_path_loads_every_page_and_asset(browser, built, tmp_path):
     """GitHub Pages serves a project site under /<repo>/: every page, and everything each page loads, must resolve."""
     served = tmp_path / "www"
     served.mkdir()
@@ -319,7 +319,7 @@ def test_site_served_from_a_sub_path_loads_every_page_and_asset(browser_ws, buil
                        if not p.relative_to(built).as_posix().startswith(("_static/", "_sources/")))
         loaded, broken = 0, {}
         for page in pages:
-            report = visit(browser_ws, base + page)
+            report = visit(browser, base + page)
             loaded += len(report.requests)
             problems = report.failed_requests + report.console_errors + report.offsite(base)
             problems += [link for link in report.probe["links"] if link.startswith(f"http://127.0.0.1:{server.server_address[1]}/")
