@@ -16,11 +16,13 @@ import papermill
 import pytest
 import yaml
 import nbformat
-from browser import browser_or_unavailable, unavailable, visit
+from browser import browser_or_unavailable, click_heatmap_cell, opened, unavailable, visit
 
 from cel_utils.book.build import THEORY_NOTEBOOKS, BookPaths, execute_theory, toc_dict
 from cel_utils.cli import main, parser
 from cel_utils.config import BOOK_SEED, DEFAULT_MODEL, RunConfig
+from cel_utils.models.heads import parse_head
+from cel_utils.pipeline.artifacts import read_artifact
 
 REPO = Path(__file__).resolve().parents[1]
 MIRROR = Path(os.environ.get("CEL_DATA_DIR") or REPO.parent / "shared" / "data")
@@ -331,3 +333,75 @@ def test_site_served_from_a_sub_path_loads_every_page_and_asset(browser, built, 
         print(f"\nserved under /cel-book/: {len(pages)} pages, {loaded} requests, none failed")
     finally:
         server.shutdown()
+
+
+def listed_flips(page, which: int) -> tuple[str, list[list[str]]]:
+    """The title line and the rows (each cell's text) of the ``which``-th flip list on the page."""
+    shown = page.locator(".cel-flips-list").nth(which)
+    shown.locator(".cel-flips-title").wait_for()
+    return (shown.locator(".cel-flips-title").text_content(),
+            [row.locator("td").all_text_contents() for row in shown.locator("tbody tr").all()])
+
+
+def expected_flips(artifact: dict, name: str) -> tuple[str, list[list[str]]]:
+    """What a click on the set ``name`` must list, read from the artifact."""
+    flips, n_items = artifact["discovery_flips"], len(artifact["discovery"]["item_ids"])
+    chosen = flips["sets"][name]
+
+    def answer(item, index, right):
+        return ("right" if right else "wrong") if item["answers"] is None else item["answers"][index]
+
+    rows = [[label, item["item"], item["prompt_end"], item["gold"], answer(item, item["full"], direction == "harm"),
+             answer(item, index, direction == "help")]
+            for direction, label in (("help", "wrong -> right"), ("harm", "right -> wrong"))
+            for item, index in ((flips["items"][i], index) for i, index in chosen[direction].items())]
+    together = "ablated together" if "+" in name else "ablated alone"
+    return (f"{name}: helped {len(chosen['help'])}, harmed {len(chosen['harm'])} of the {n_items} discovery items "
+            f"({together}).", rows)
+
+
+def click_through(browser, url: str, artifact: dict) -> dict:
+    """Click the head of the stage-1 heat map that flipped most items, then the stage-2 row of the set with two or more
+    heads that flipped most; returns what each listed and what the page logged."""
+    sets = artifact["discovery_flips"]["sets"]
+    flipped = lambda name: len(sets[name]["help"]) + len(sets[name]["harm"])  # noqa: E731
+    head = max((s["heads"][0] for s in artifact["stage1"] if len(s["heads"]) == 1), key=flipped)
+    pair = max(("+".join(s["heads"]) for s in artifact["stage2"][:10] if len(s["heads"]) > 1), key=flipped)
+    with opened(browser, url) as page:
+        click_heatmap_cell(page, parse_head(head).layer, parse_head(head).head)
+        by_head = listed_flips(page, 0)
+        page.locator("table.dataframe tbody tr", has=page.locator(f'td:text-is("{pair}")')).click()
+        by_set = listed_flips(page, 1)
+    return {head: by_head, pair: by_set}
+
+
+@pytest.mark.browser
+def test_a_click_on_a_head_or_a_set_lists_the_discovery_items_it_flipped(browser, tiny_models, data_dir, tmp_path):
+    """A run page's stage-1 heat map and stage-2 table (as the run notebook shows them, with the site's plotly.js): a
+    click lists each flipped item with its text, the right answer and both models' answers, as the artifact stores
+    them; a helped item is one the ablated model answers right and the full model wrong, a harmed one the reverse."""
+    from cel_utils.book.flip_lists import heatmap_with_flips, stage2_with_flips
+    from cel_utils.book.offline import plotly_source
+    from cel_utils.pipeline.protocol import run_cel
+
+    config = RunConfig(model="random:llama:tiny", task="boolq", n_discovery=6, n_holdout=8, p=3, k=2, batch_size=4,
+                       n_random_sets=0, n_resamples=0, cache=False, data_dir=data_dir, results_dir=str(tmp_path))
+    artifact = read_artifact(run_cel(config, lm=tiny_models["llama"], progress=False).artifact)
+    shutil.copyfile(plotly_source(), tmp_path / "plotly.min.js")
+    page = tmp_path / "run.html"
+    page.write_text('<html><head><meta charset="utf-8"><script src="plotly.min.js"></script></head><body>'
+                    f"{heatmap_with_flips(artifact).to_html()}{stage2_with_flips(artifact).to_html()}</body></html>")
+    listed = click_through(browser, page.as_uri(), artifact)
+    assert any(rows for _, rows in listed.values())  # something flipped: the comparison below is not of empty lists
+    for name, shown in listed.items():
+        assert shown == expected_flips(artifact, name), name
+        for flip, _, _, gold, full, ablated in shown[1]:
+            assert (ablated == gold != full) if flip == "wrong -> right" else (full == gold != ablated), (name, flip)
+
+
+@pytest.mark.browser
+def test_the_published_run_page_lists_a_heads_flips_on_a_click(browser, built):
+    """The book's own run page, offline: the click-through works there too, with no console error."""
+    artifact = read_artifact(built.parent.parent / "results" / f"{RUN}.json")
+    for name, shown in click_through(browser, (built / PAGES["run"]).as_uri(), artifact).items():
+        assert shown == expected_flips(artifact, name), name
