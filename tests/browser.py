@@ -176,7 +176,8 @@ def opened(browser, url: str, report: PageReport | None = None) -> Iterator:
     try:
         page = context.new_page()
         page.on("request", lambda request: report.requests.append(request.url))
-        page.on("requestfailed", lambda request: report.failed_requests.append(
+        # A request the page cancelled by leaving (a redirect page's icon) did not fail: the browser dropped it.
+        page.on("requestfailed", lambda request: request.failure != "net::ERR_ABORTED" and report.failed_requests.append(
             f"{request.failure} {request.url}"))
         page.on("response", lambda response: response.status >= 400 and report.failed_requests.append(
             f"{response.status} {response.url}"))
