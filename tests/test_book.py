@@ -202,6 +202,28 @@ def test_a_book_with_no_runs_strategies_or_theory_builds(tmp_path):
     assert "runs/" not in re.sub(r'href="(?!book/runs/)[^"]*"', "", intro)
 
 
+def test_a_page_with_live_widgets_loads_nothing_from_a_cdn(tmp_path):
+    """A run notebook executed with progress bars (tqdm draws ipywidgets when they are installed) stores its widgets'
+    state; its page must still load nothing from outside the site (myst-nb's default fetches require.js and the widget
+    manager from CDNs)."""
+    root = book_root(tmp_path)
+    bar = {"model_id": "0", "version_major": 2, "version_minor": 0}
+    cell = nbformat.v4.new_code_cell("progress_bar", outputs=[nbformat.v4.new_output(
+        "display_data", data={"application/vnd.jupyter.widget-view+json": bar, "text/plain": "stage 1: 100%"})])
+    state = {"application/vnd.jupyter.widget-state+json": {"version_major": 2, "version_minor": 0, "state": {"0": {
+        "model_name": "FloatProgressModel", "model_module": "@jupyter-widgets/controls", "model_module_version": "2.0.0",
+        "state": {"value": 1.0, "max": 1.0}}}}}
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# CEL run: widgets"), cell],
+                                        metadata={"widgets": state, "kernelspec": {"name": "python3",
+                                                  "language": "python", "display_name": "Python 3"}})
+    (root / "book" / "runs").mkdir()
+    nbformat.write(notebook, root / "book" / "runs" / "m__t__seed0.ipynb")
+    assert main(["book", "--root", str(root), "--theory", "skip"]) == 0
+    page = (root / "_build" / "html" / "book" / "runs" / "m__t__seed0.html").read_text()
+    assert "application/vnd.jupyter.widget-state+json" in page  # the state is on the page: the case this is about
+    assert not re.findall(r'<(?:script|link)\b[^>]*\b(?:src|href)="((?:https?:)?//[^"]+)"', page)
+
+
 def test_publish_pushes_the_site_to_gh_pages_of_a_local_bare_repository(built, tmp_path):
     bare, work = tmp_path / "remote.git", tmp_path / "work"
     git = functools.partial(subprocess.run, check=True, capture_output=True, text=True)
