@@ -131,7 +131,7 @@ def test_published_pages_carry_no_path_of_the_machine_that_built_them(built):
                 found[path.relative_to(built).as_posix()] = hits
     assert not found, found
     run_page = "".join(text_of((built / PAGES["run"]).read_text()).split())  # highlighted code: tokens apart
-    assert f'model="random:llama:tiny"task="arithmetic_2da"seed={BOOK_SEED}preset="smoke"config={"engine":"naive"}' in run_page
+    assert f'model="random:llama:tiny"task="arithmetic_2da"seed={BOOK_SEED}preset="smoke"config={{"engine":"naive"}}' in run_page
     shipped = nbformat.read(built / "_sources" / "book" / "runs" / f"{RUN}.ipynb", as_version=4)
     assert shipped.metadata.papermill.parameters["config"] == {"engine": "naive"}
 
