@@ -1,9 +1,10 @@
-"""Headless Chromium driven over the DevTools protocol (CDP), for the book's browser tests; no dependency beyond
-tornado (already installed with Jupyter).
+"""Headless Chromium driven by Playwright for Python, for the book's browser tests: the system Chromium (the Debian
+package, as in CI) through ``executable_path``; Playwright never downloads a browser here.
 
 The browser runs with the network cut off (every host name but localhost fails to resolve), as a reader offline
 would see the site. :func:`visit` loads one page and reports what a reader's browser saw: console errors, uncaught
 exceptions, failed or 4xx/5xx requests, any request that left the site, and the result of a JavaScript probe.
+:func:`opened` gives the loaded page itself, for tests that click.
 
 A browser that is missing or does not start fails the tests in CI (``CI`` set, as every CI service sets it: there the
 browser is part of the machine, and a skip would hide that the pages were never checked) and skips them elsewhere
@@ -11,16 +12,11 @@ browser is part of the machine, and a skip would hide that the pages were never 
 """
 from __future__ import annotations
 
-import asyncio
-import base64
-import json
 import os
 import re
 import shutil
-import subprocess
-import threading
 from collections.abc import Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
@@ -28,22 +24,24 @@ from typing import NoReturn
 import pytest
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--hide-scrollbars", "--window-size=1280,900",
-         # Offline: no name resolves except localhost, so a page that reaches for a CDN fails visibly.
-         "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE localhost, EXCLUDE 127.0.0.1"]
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--hide-scrollbars",
+        # Offline: no name resolves except localhost, so a page that reaches for a CDN fails visibly.
+        "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE localhost, EXCLUDE 127.0.0.1"]
+VIEWPORT = {"width": 1280, "height": 900}
+TIMEOUT_MS = 60_000
 
+# A page that only redirects (the site's root index.html, written by sphinx-external-toc): a reader lands on its target.
+REDIRECTS = "() => !!document.querySelector('meta[http-equiv=\"refresh\" i]')"
 # What a page shows once it is ready: MathJax finished typesetting, plotly finished drawing.
-READY = """(async () => {
+READY = """async () => {
   if (window.MathJax && MathJax.startup && MathJax.startup.promise) { await MathJax.startup.promise; }
   for (let i = 0; i < 100 && document.querySelectorAll('.plotly-graph-div').length >
        document.querySelectorAll('.plotly-graph-div .main-svg').length; i++) {
     await new Promise(r => setTimeout(r, 100));
   }
   return true;
-})()"""
-PROBE = """JSON.stringify({
+}"""
+PROBE = """() => ({
   title: document.title,
   math_source: document.querySelectorAll('.math').length,
   math_rendered: document.querySelectorAll('mjx-container').length,
@@ -71,6 +69,24 @@ PROBE = """JSON.stringify({
     return nodes;
   })(),
 })"""
+# Where the first heat map's best scored cell is on screen (a screened stage 1 leaves the others empty: null or NaN).
+BEST_CELL = """() => {
+  const div = document.querySelector('.plotly-graph-div');
+  div.scrollIntoView({block: 'center'});
+  const z = div._fullData[0].z;  // decoded (plotly may ship the data base64-encoded)
+  let best = null;
+  for (let i = 0; i < z.length; i++) for (let j = 0; j < z[i].length; j++)
+    if (Number.isFinite(z[i][j]) && (best === null || z[i][j] > z[best[0]][best[1]])) best = [i, j];
+  const layout = div._fullLayout, xa = layout.xaxis, ya = layout.yaxis, rect = div.getBoundingClientRect();
+  return {x: rect.left + xa._offset + xa.l2p(best[1]), y: rect.top + ya._offset + ya.l2p(best[0])};
+}"""
+# A cell of the first heat map on screen, by (layer, head) (its y and x); scrolled into view first.
+CELL = """([layer, head]) => {
+  const div = document.querySelector('.plotly-graph-div');
+  div.scrollIntoView({block: 'center'});
+  const layout = div._fullLayout, xa = layout.xaxis, ya = layout.yaxis, rect = div.getBoundingClientRect();
+  return {x: rect.left + xa._offset + xa.l2p(head), y: rect.top + ya._offset + ya.l2p(layer)};
+}"""
 # A backslash lost on the way into a formula: "\t" (\text, \times), "\f" (\frac), "\b" (\beta), "\r" (\rho), "\a"
 # (\alpha), "\v" (\varepsilon) read as an escape, leaving a control character and the command's tail.
 LOST_BACKSLASH = re.compile(r"[\t\x07\x08\x0b\x0c\r]|(?<!\\t)ext\{|(?<!\\f)rac\{")
@@ -89,9 +105,10 @@ def _shown(text: str) -> str:
 
 @dataclass
 class PageReport:
-    url: str
+    url: str  # as asked for; a redirecting page is reported for where it led (``landed``)
+    landed: str = ""
     probe: dict = field(default_factory=dict)
-    console_errors: list[str] = field(default_factory=list)
+    console_errors: list[str] = field(default_factory=list)  # console.error, uncaught exceptions, the browser's errors
     failed_requests: list[str] = field(default_factory=list)  # 4xx/5xx responses and requests that failed to load
     requests: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
@@ -112,131 +129,6 @@ class PageReport:
         return [u for u in self.requests if not u.startswith(("data:", "blob:") + tuple(allowed_prefixes))]
 
 
-class _Session:
-    """One page target in the browser, over one websocket."""
-
-    def __init__(self, ws):
-        self.ws, self.next_id, self.pending, self.events = ws, 0, {}, []
-        self.session_id = None
-
-    async def read_forever(self):
-        while True:
-            message = await self.ws.read_message()
-            if message is None:
-                return
-            data = json.loads(message)
-            if "id" in data and data["id"] in self.pending:
-                self.pending.pop(data["id"]).set_result(data)
-            else:
-                self.events.append(data)
-
-    async def call(self, method: str, params: dict | None = None, session: bool = True, timeout: float = 60) -> dict:
-        self.next_id += 1
-        message = {"id": self.next_id, "method": method, "params": params or {}}
-        if session and self.session_id:
-            message["sessionId"] = self.session_id
-        future = asyncio.get_running_loop().create_future()
-        self.pending[self.next_id] = future
-        await self.ws.write_message(json.dumps(message))
-        reply = await asyncio.wait_for(future, timeout)
-        if "error" in reply:
-            raise RuntimeError(f"{method}: {reply['error']}")
-        return reply.get("result", {})
-
-    async def wait_event(self, method: str, timeout: float = 60) -> dict:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while loop.time() < deadline:
-            found = next((event for event in self.events if event.get("method") == method), None)
-            if found is not None:
-                return found
-            await asyncio.sleep(0.05)
-        raise TimeoutError(f"no {method} within {timeout} s")
-
-    async def evaluate(self, expression: str, timeout: float = 60):
-        result = await self.call("Runtime.evaluate", {"expression": expression, "awaitPromise": True,
-                                                      "returnByValue": True}, timeout=timeout)
-        if "exceptionDetails" in result:
-            raise RuntimeError(f"page script failed: {result['exceptionDetails']}")
-        return result["result"].get("value")
-
-
-def _report(url: str, events: list[dict]) -> PageReport:
-    report = PageReport(url)
-    statuses = {}
-    for event in events:
-        method, params = event.get("method"), event.get("params", {})
-        if method == "Network.requestWillBeSent":
-            report.requests.append(params["request"]["url"])
-        elif method == "Network.responseReceived":
-            statuses[params["requestId"]] = params["response"]
-            if params["response"]["status"] >= 400:
-                report.failed_requests.append(f"{params['response']['status']} {params['response']['url']}")
-        elif method == "Network.loadingFailed" and not params.get("canceled"):
-            report.failed_requests.append(f"{params.get('errorText')} (request {params['requestId']})")
-        elif method == "Runtime.consoleAPICalled" and params["type"] in ("error", "assert"):
-            report.console_errors.append(" ".join(str(a.get("value", a.get("description", ""))) for a in params["args"]))
-        elif method == "Runtime.exceptionThrown":
-            details = params["exceptionDetails"]
-            report.console_errors.append(details.get("exception", {}).get("description") or details.get("text", ""))
-        elif method == "Log.entryAdded" and params["entry"]["level"] == "error":
-            report.console_errors.append(f"{params['entry']['text']} {params['entry'].get('url', '')}".strip())
-    return report
-
-
-async def _visit(ws_url: str, url: str, screenshot: Path | None, hover_heatmap: bool) -> PageReport:
-    from tornado.websocket import websocket_connect
-
-    ws = await websocket_connect(ws_url, max_message_size=256 * 1024 * 1024)
-    s = _Session(ws)
-    reader = asyncio.ensure_future(s.read_forever())
-    try:
-        target = (await s.call("Target.createTarget", {"url": "about:blank"}, session=False))["targetId"]
-        s.session_id = (await s.call("Target.attachToTarget", {"targetId": target, "flatten": True},
-                                     session=False))["sessionId"]
-        for domain in ("Page", "Runtime", "Log", "Network"):
-            await s.call(f"{domain}.enable")
-        await s.call("Network.setCacheDisabled", {"cacheDisabled": True})
-        await s.call("Page.navigate", {"url": url})
-        await s.wait_event("Page.loadEventFired")
-        await s.evaluate(READY)
-        report_probe = json.loads(await s.evaluate(PROBE))
-        extra = {}
-        if hover_heatmap:
-            extra["hover"] = await _hover_heatmap(s)
-        if screenshot is not None:
-            shot = await s.call("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": False})
-            screenshot.write_bytes(base64.b64decode(shot["data"]))
-        await asyncio.sleep(0.3)  # late console messages
-        report = _report(url, [e for e in s.events if e.get("sessionId") == s.session_id])
-        report.probe, report.extra = report_probe, extra
-        await s.call("Target.closeTarget", {"targetId": target}, session=False)
-        return report
-    finally:
-        reader.cancel()
-        ws.close()
-
-
-async def _hover_heatmap(s: _Session) -> str:
-    """Scroll the first heat map into view, move the mouse over its best cell, and return the hover label's text."""
-    box = await s.evaluate("""(() => {
-      const div = document.querySelector('.plotly-graph-div');
-      div.scrollIntoView({block: 'center'});
-      const z = div._fullData[0].z;  // decoded (plotly may ship the data base64-encoded)
-      let best = null;  // the best head the run scored (a screened stage 1 leaves the others empty: null or NaN)
-      for (let i = 0; i < z.length; i++) for (let j = 0; j < z[i].length; j++)
-        if (Number.isFinite(z[i][j]) && (best === null || z[i][j] > z[best[0]][best[1]])) best = [i, j];
-      const layout = div._fullLayout, xa = layout.xaxis, ya = layout.yaxis;
-      const rect = div.getBoundingClientRect();
-      return {x: rect.left + xa._offset + xa.l2p(best[1]), y: rect.top + ya._offset + ya.l2p(best[0])};
-    })()""")
-    for _ in range(3):
-        await s.call("Input.dispatchMouseEvent", {"type": "mouseMoved", "x": box["x"], "y": box["y"]})
-        await asyncio.sleep(0.4)
-    return await s.evaluate("Array.from(document.querySelectorAll('.hoverlayer .hovertext')).map(t => t.textContent)"
-                            ".join(' | ')")
-
-
 def in_ci(env: Mapping[str, str] | None = None) -> bool:
     """Whether this is a CI run: ``CI`` set to anything but empty, 0, false or no."""
     value = (os.environ if env is None else env).get("CI", "")
@@ -251,46 +143,84 @@ def unavailable(reason: str, env: Mapping[str, str] | None = None) -> NoReturn:
 
 
 @contextmanager
-def browser_or_unavailable(profile: Path, executable: str | None = CHROMIUM,
-                           env: Mapping[str, str] | None = None) -> Iterator[str]:
-    """:func:`chromium`, or :func:`unavailable` when there is none or it does not start."""
+def browser_or_unavailable(executable: str | None = CHROMIUM, env: Mapping[str, str] | None = None) -> Iterator:
+    """A headless Chromium (a Playwright ``Browser``), or :func:`unavailable` when there is none or it does not
+    start."""
     if executable is None:
         unavailable("needs headless Chromium (apt-get install -y chromium; `make test` installs it when run as root)",
                     env)
-    with ExitStack() as stack:
+    try:
+        from playwright.sync_api import Error, sync_playwright
+    except ImportError as error:
+        unavailable(f"needs Playwright for Python ({error}): pip install -e . installs it", env)
+    with sync_playwright() as playwright:
         try:
-            ws = stack.enter_context(chromium(profile, executable))
-        except (OSError, RuntimeError) as error:  # not found, not executable, exited before its DevTools port opened
-            unavailable(f"headless Chromium ({executable}) did not start: {error}", env)
-        yield ws  # outside the try: a failure in the test itself is the test's, never "did not start"
+            browser = playwright.chromium.launch(executable_path=executable, args=ARGS, timeout=TIMEOUT_MS)
+        except Error as error:  # not found, not executable, exited before Playwright could connect
+            unavailable(f"headless Chromium ({executable}) did not start: {str(error).splitlines()[0]}", env)
+        try:
+            yield browser  # outside the try above: a failure in the test itself is the test's, never "did not start"
+        finally:
+            browser.close()
 
 
 @contextmanager
-def chromium(profile: Path, executable: str | None = CHROMIUM):
-    """A headless Chromium with remote debugging on a free port; yields its browser websocket URL."""
-    process = subprocess.Popen([executable, *FLAGS, f"--user-data-dir={profile}", "--remote-debugging-port=0",
-                                "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def opened(browser, url: str, report: PageReport | None = None) -> Iterator:
+    """``url`` loaded in a fresh context (no cache, no cookies) and ready: past any redirect, MathJax done, figures
+    drawn. Yields the Playwright ``Page``; what the browser saw is recorded into ``report`` as it happens."""
+    from playwright.sync_api import Error
+
+    report = PageReport(url) if report is None else report
+    context = browser.new_context(viewport=VIEWPORT)
+    context.set_default_timeout(TIMEOUT_MS)
     try:
-        said = []  # what it logged before exiting, for the error
-        for line in process.stderr:
-            match = re.search(r"DevTools listening on (ws://\S+)", line)
-            if match:
-                break
-            said = [*said[-4:], line.strip()]
-        else:
-            raise RuntimeError(f"chromium exited ({process.wait()}) before opening its DevTools port: "
-                               + (" | ".join(said) or "it logged nothing"))
-        # Keep reading its log, or a full pipe would stall the browser.
-        threading.Thread(target=lambda: [None for _ in process.stderr], daemon=True).start()
-        yield match.group(1)
-    finally:
-        process.terminate()
+        page = context.new_page()
+        page.on("request", lambda request: report.requests.append(request.url))
+        # A request the page cancelled by leaving (a redirect page's icon) did not fail: the browser dropped it.
+        page.on("requestfailed", lambda request: request.failure != "net::ERR_ABORTED" and report.failed_requests.append(
+            f"{request.failure} {request.url}"))
+        page.on("response", lambda response: response.status >= 400 and report.failed_requests.append(
+            f"{response.status} {response.url}"))
+        page.on("console", lambda message: message.type in ("error", "assert") and report.console_errors.append(
+            f"{message.text} {message.location.get('url', '')}".strip()))
+        page.on("pageerror", lambda error: report.console_errors.append(f"uncaught {error.name}: {error.message}"))
+        page.goto(url, wait_until="load")
+        start = page.url
         try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
+            redirects = page.evaluate(REDIRECTS)
+        except Error:  # the document went away while being read: the page is already leaving for its target
+            redirects = True
+        if redirects:  # probed before it left, the probe would read a document being replaced
+            page.wait_for_url(lambda now: now != start, wait_until="load")
+        report.landed = page.url
+        page.evaluate(READY)
+        yield page
+        page.wait_for_timeout(300)  # late console messages
+    finally:
+        context.close()
 
 
-def visit(ws_url: str, url: str, screenshot: Path | None = None, hover_heatmap: bool = False) -> PageReport:
-    """Load ``url`` in a new tab and report what happened (see :class:`PageReport`)."""
-    return asyncio.run(_visit(ws_url, url, screenshot, hover_heatmap))
+def visit(browser, url: str, screenshot: Path | None = None, hover_heatmap: bool = False) -> PageReport:
+    """Load ``url`` in a new context and report what happened (see :class:`PageReport`)."""
+    report = PageReport(url)
+    with opened(browser, url, report) as page:
+        report.probe = page.evaluate(PROBE)
+        if hover_heatmap:
+            report.extra["hover"] = hover_best_cell(page)
+        if screenshot is not None:
+            page.screenshot(path=str(screenshot))
+    return report
+
+
+def hover_best_cell(page) -> str:
+    """Move the mouse over the first heat map's best cell and return the hover label's text."""
+    box = page.evaluate(BEST_CELL)
+    page.mouse.move(box["x"], box["y"])
+    page.locator(".hoverlayer .hovertext").first.wait_for(state="attached")
+    return " | ".join(page.locator(".hoverlayer .hovertext").all_text_contents())
+
+
+def click_heatmap_cell(page, layer: int, head: int) -> None:
+    """Click the first heat map's cell of ``layer``, ``head``."""
+    box = page.evaluate(CELL, [layer, head])
+    page.mouse.click(box["x"], box["y"])

@@ -16,11 +16,13 @@ import papermill
 import pytest
 import yaml
 import nbformat
-from browser import browser_or_unavailable, unavailable, visit
+from browser import browser_or_unavailable, click_heatmap_cell, opened, unavailable, visit
 
 from cel_utils.book.build import THEORY_NOTEBOOKS, BookPaths, execute_theory, toc_dict
 from cel_utils.cli import main, parser
 from cel_utils.config import BOOK_SEED, DEFAULT_MODEL, RunConfig
+from cel_utils.models.heads import parse_head
+from cel_utils.pipeline.artifacts import read_artifact
 
 REPO = Path(__file__).resolve().parents[1]
 MIRROR = Path(os.environ.get("CEL_DATA_DIR") or REPO.parent / "shared" / "data")
@@ -209,6 +211,28 @@ def test_a_book_with_no_runs_strategies_or_theory_builds(tmp_path):
     assert "runs/" not in re.sub(r'href="(?!book/runs/)[^"]*"', "", intro)
 
 
+def test_a_page_with_live_widgets_loads_nothing_from_a_cdn(tmp_path):
+    """A run notebook executed with progress bars (tqdm draws ipywidgets when they are installed) stores its widgets'
+    state; its page must still load nothing from outside the site (myst-nb's default fetches require.js and the widget
+    manager from CDNs)."""
+    root = book_root(tmp_path)
+    bar = {"model_id": "0", "version_major": 2, "version_minor": 0}
+    cell = nbformat.v4.new_code_cell("progress_bar", outputs=[nbformat.v4.new_output(
+        "display_data", data={"application/vnd.jupyter.widget-view+json": bar, "text/plain": "stage 1: 100%"})])
+    state = {"application/vnd.jupyter.widget-state+json": {"version_major": 2, "version_minor": 0, "state": {"0": {
+        "model_name": "FloatProgressModel", "model_module": "@jupyter-widgets/controls", "model_module_version": "2.0.0",
+        "state": {"value": 1.0, "max": 1.0}}}}}
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# CEL run: widgets"), cell],
+                                        metadata={"widgets": state, "kernelspec": {"name": "python3",
+                                                  "language": "python", "display_name": "Python 3"}})
+    (root / "book" / "runs").mkdir()
+    nbformat.write(notebook, root / "book" / "runs" / "m__t__seed0.ipynb")
+    assert main(["book", "--root", str(root), "--theory", "skip"]) == 0
+    page = (root / "_build" / "html" / "book" / "runs" / "m__t__seed0.html").read_text()
+    assert "application/vnd.jupyter.widget-state+json" in page  # the state is on the page: the case this is about
+    assert not re.findall(r'<(?:script|link)\b[^>]*\b(?:src|href)="((?:https?:)?//[^"]+)"', page)
+
+
 def test_publish_pushes_the_site_to_gh_pages_of_a_local_bare_repository(built, tmp_path):
     bare, work = tmp_path / "remote.git", tmp_path / "work"
     git = functools.partial(subprocess.run, check=True, capture_output=True, text=True)
@@ -247,10 +271,10 @@ def test_pages_workflow_builds_the_book_and_deploys_it():
 # --- in a browser, with no network -------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def browser_ws(tmp_path_factory):
+def browser():
     """Headless Chromium; missing or failing to start, a failure in CI and a skip elsewhere (browser.unavailable)."""
-    with browser_or_unavailable(tmp_path_factory.mktemp("chromium-profile")) as ws:
-        yield ws
+    with browser_or_unavailable() as chromium:
+        yield chromium
 
 
 def test_a_browser_that_cannot_run_fails_in_ci_and_skips_elsewhere(tmp_path):
@@ -261,14 +285,14 @@ def test_a_browser_that_cannot_run_fails_in_ci_and_skips_elsewhere(tmp_path):
         with pytest.raises(pytest.skip.Exception, match="no browser here"):
             unavailable("no browser here", env)
     with pytest.raises(pytest.fail.Exception, match="needs headless Chromium"):  # not installed
-        with browser_or_unavailable(tmp_path / "none", executable=None, env={"CI": "true"}):
+        with browser_or_unavailable(executable=None, env={"CI": "true"}):
             pass
     for broken in (str(tmp_path / "no-such-chromium"), shutil.which("false")):  # not there; exits before its port opens
         with pytest.raises(pytest.fail.Exception, match="did not start"):
-            with browser_or_unavailable(tmp_path / "profile", executable=broken, env={"CI": "true"}):
+            with browser_or_unavailable(executable=broken, env={"CI": "true"}):
                 pass
         with pytest.raises(pytest.skip.Exception, match="did not start"):
-            with browser_or_unavailable(tmp_path / "profile", executable=broken, env={}):
+            with browser_or_unavailable(executable=broken, env={}):
                 pass
 
 
@@ -280,7 +304,7 @@ def report_line(name: str, report) -> str:
 
 
 @pytest.mark.browser
-def test_offline_pages_render_math_and_figures_without_errors(browser_ws, built):  # no browser: no book built
+def test_offline_pages_render_math_and_figures_without_errors(browser, built):  # no browser: no book built
     """Every page of the table of contents (runs included), opened offline: no errors, every formula typeset as
     written and no TeX left as text; the pages in PAGES also show what they are for."""
     pages = toc_pages(built)
@@ -289,7 +313,7 @@ def test_offline_pages_render_math_and_figures_without_errors(browser_ws, built)
     lines, broken = [], {}
     for page in pages:
         name = names.get(page, page.removeprefix("book/").removesuffix(".html"))
-        report = visit(browser_ws, (built / page).as_uri(), hover_heatmap=(name in ("run", "results")))
+        report = visit(browser, (built / page).as_uri(), hover_heatmap=(name in ("run", "results")))
         lines.append(report_line(name, report))
         problems = report.math_problems() + report.console_errors + report.failed_requests + report.offsite("file://")
         problems += [f"image not loaded: {src}" for src, ok in report.probe["images"] if not ok]
@@ -319,7 +343,7 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
 
 
 @pytest.mark.browser
-def test_site_served_from_a_sub_path_loads_every_page_and_asset(browser_ws, built, tmp_path):
+def test_site_served_from_a_sub_path_loads_every_page_and_asset(browser, built, tmp_path):
     """GitHub Pages serves a project site under /<repo>/: every page, and everything each page loads, must resolve."""
     served = tmp_path / "www"
     served.mkdir()
@@ -332,7 +356,9 @@ def test_site_served_from_a_sub_path_loads_every_page_and_asset(browser_ws, buil
                        if not p.relative_to(built).as_posix().startswith(("_static/", "_sources/")))
         loaded, broken = 0, {}
         for page in pages:
-            report = visit(browser_ws, base + page)
+            report = visit(browser, base + page)
+            if page == "index.html":  # a redirect: the probe reads where it leads, never the document it replaces
+                assert report.landed == base + "book/intro.html", report.landed
             loaded += len(report.requests)
             problems = report.failed_requests + report.console_errors + report.offsite(base)
             problems += [link for link in report.probe["links"] if link.startswith(f"http://127.0.0.1:{server.server_address[1]}/")
@@ -344,3 +370,75 @@ def test_site_served_from_a_sub_path_loads_every_page_and_asset(browser_ws, buil
         print(f"\nserved under /cel-book/: {len(pages)} pages, {loaded} requests, none failed")
     finally:
         server.shutdown()
+
+
+def listed_flips(page, which: int) -> tuple[str, list[list[str]]]:
+    """The title line and the rows (each cell's text) of the ``which``-th flip list on the page."""
+    shown = page.locator(".cel-flips-list").nth(which)
+    shown.locator(".cel-flips-title").wait_for()
+    return (shown.locator(".cel-flips-title").text_content(),
+            [row.locator("td").all_text_contents() for row in shown.locator("tbody tr").all()])
+
+
+def expected_flips(artifact: dict, name: str) -> tuple[str, list[list[str]]]:
+    """What a click on the set ``name`` must list, read from the artifact."""
+    flips, n_items = artifact["discovery_flips"], len(artifact["discovery"]["item_ids"])
+    chosen = flips["sets"][name]
+
+    def answer(item, index, right):
+        return ("right" if right else "wrong") if item["answers"] is None else item["answers"][index]
+
+    rows = [[label, item["item"], item["prompt_end"], item["gold"], answer(item, item["full"], direction == "harm"),
+             answer(item, index, direction == "help")]
+            for direction, label in (("help", "wrong -> right"), ("harm", "right -> wrong"))
+            for item, index in ((flips["items"][i], index) for i, index in chosen[direction].items())]
+    together = "ablated together" if "+" in name else "ablated alone"
+    return (f"{name}: helped {len(chosen['help'])}, harmed {len(chosen['harm'])} of the {n_items} discovery items "
+            f"({together}).", rows)
+
+
+def click_through(browser, url: str, artifact: dict) -> dict:
+    """Click the head of the stage-1 heat map that flipped most items, then the stage-2 row of the set with two or more
+    heads that flipped most; returns what each listed and what the page logged."""
+    sets = artifact["discovery_flips"]["sets"]
+    flipped = lambda name: len(sets[name]["help"]) + len(sets[name]["harm"])  # noqa: E731
+    head = max((s["heads"][0] for s in artifact["stage1"] if len(s["heads"]) == 1), key=flipped)
+    pair = max(("+".join(s["heads"]) for s in artifact["stage2"][:10] if len(s["heads"]) > 1), key=flipped)
+    with opened(browser, url) as page:
+        click_heatmap_cell(page, parse_head(head).layer, parse_head(head).head)
+        by_head = listed_flips(page, 0)
+        page.locator("table.dataframe tbody tr", has=page.locator(f'td:text-is("{pair}")')).click()
+        by_set = listed_flips(page, 1)
+    return {head: by_head, pair: by_set}
+
+
+@pytest.mark.browser
+def test_a_click_on_a_head_or_a_set_lists_the_discovery_items_it_flipped(browser, tiny_models, data_dir, tmp_path):
+    """A run page's stage-1 heat map and stage-2 table (as the run notebook shows them, with the site's plotly.js): a
+    click lists each flipped item with its text, the right answer and both models' answers, as the artifact stores
+    them; a helped item is one the ablated model answers right and the full model wrong, a harmed one the reverse."""
+    from cel_utils.book.flip_lists import heatmap_with_flips, stage2_with_flips
+    from cel_utils.book.offline import plotly_source
+    from cel_utils.pipeline.protocol import run_cel
+
+    config = RunConfig(model="random:llama:tiny", task="boolq", n_discovery=6, n_holdout=8, p=3, k=2, batch_size=4,
+                       n_random_sets=0, n_resamples=0, cache=False, data_dir=data_dir, results_dir=str(tmp_path))
+    artifact = read_artifact(run_cel(config, lm=tiny_models["llama"], progress=False).artifact)
+    shutil.copyfile(plotly_source(), tmp_path / "plotly.min.js")
+    page = tmp_path / "run.html"
+    page.write_text('<html><head><meta charset="utf-8"><script src="plotly.min.js"></script></head><body>'
+                    f"{heatmap_with_flips(artifact).to_html()}{stage2_with_flips(artifact).to_html()}</body></html>")
+    listed = click_through(browser, page.as_uri(), artifact)
+    assert any(rows for _, rows in listed.values())  # something flipped: the comparison below is not of empty lists
+    for name, shown in listed.items():
+        assert shown == expected_flips(artifact, name), name
+        for flip, _, _, gold, full, ablated in shown[1]:
+            assert (ablated == gold != full) if flip == "wrong -> right" else (full == gold != ablated), (name, flip)
+
+
+@pytest.mark.browser
+def test_the_published_run_page_lists_a_heads_flips_on_a_click(browser, built):
+    """The book's own run page, offline: the click-through works there too, with no console error."""
+    artifact = read_artifact(built.parent.parent / "results" / f"{RUN}.json")
+    for name, shown in click_through(browser, (built / PAGES["run"]).as_uri(), artifact).items():
+        assert shown == expected_flips(artifact, name), name

@@ -33,6 +33,9 @@ ADDED_HOLDOUT: set = set()
 ADDED_SECTIONS = {"prompt": {"format": "plain", "bos": False},
                   # issue 27: the precision the evaluations computed in (fp32, as the fixtures were), no guard audit
                   "precision": {"setting": "fp32", "resolved": "fp32", "approximate": False, "audit": None}}
+# issue 29: the discovery items each scored set flipped, which a run page lists on a click. Derived from per-item
+# outcomes of which the fixture holds the counts and the full model's vector: checked against those.
+DERIVED_SECTIONS = {"discovery_flips"}
 ADDED_RELIABILITY = {"power", "calibration", "verdict"}  # issue 13: power, the calibration baseline, the verdict
 # Values that changed on purpose, (section, key) -> the change: each must differ from the fixture's.
 CHANGED = {("model", "fingerprint"): "issue 16: the sha256 of every tensor (of the weight files, for checkpoints), "
@@ -65,7 +68,8 @@ def test_artifacts_are_unchanged_by_refactors(task, tiny_models, data_dir, tmp_p
     assert {k: v for k, v in new["config"].items() if k not in old["config"]} == ADDED_SETTINGS
     assert {k: v for k, v in old["config"].items() if k not in new["config"]} == REMOVED_SETTINGS
     assert set(new["holdout"]) - set(old["holdout"]) == ADDED_HOLDOUT
-    assert {k: new[k] for k in new if k not in old} == ADDED_SECTIONS
+    assert {k: new[k] for k in new if k not in old and k not in DERIVED_SECTIONS} == ADDED_SECTIONS
+    assert_flips_agree_with(new["discovery_flips"], old)
     new = {k: v for k, v in new.items() if k in old}
     old["config"] = {k: v for k, v in old["config"].items() if k not in REMOVED_SETTINGS}
     new["config"] = {k: v for k, v in new["config"].items() if k in old["config"]}
@@ -78,3 +82,16 @@ def test_artifacts_are_unchanged_by_refactors(task, tiny_models, data_dir, tmp_p
         new[section] = {**new[section], key: old[section][key]}
     for section in old:
         assert json.dumps(new[section], indent=1) == json.dumps(old[section], indent=1), section
+
+
+def assert_flips_agree_with(flips: dict, old: dict) -> None:
+    """Every set the fixture scored has as many helped and harmed items as its counts, each one an item the full model
+    got wrong (helped) or right (harmed), named as in the fixture's discovery items."""
+    scored = {"+".join(s["heads"]): s for s in old["stage1"] + old["stage2"]}
+    assert set(flips["sets"]) == set(scored)
+    full, ids = old["discovery"]["full_correct"], old["discovery"]["item_ids"]
+    for name, score in scored.items():
+        for direction, full_was in (("help", 0), ("harm", 1)):
+            assert len(flips["sets"][name][direction]) == score[direction], (name, direction)
+            for index in flips["sets"][name][direction]:
+                assert full[int(index)] == full_was and flips["items"][index]["item"] == ids[int(index)], (name, index)

@@ -20,6 +20,7 @@ from cel_utils.evaluation.store import EvalStore
 from cel_utils.models.heads import HeadGeometry, format_heads
 from cel_utils.models.loading import LoadedModel, load_model, resolve_device
 from cel_utils.pipeline.artifacts import SCHEMA_VERSION, library_versions, run_info_path, utc_now, write_json
+from cel_utils.pipeline.discovery_flips import discovery_flips
 from cel_utils.pipeline.examples import flip_examples
 from cel_utils.search.algorithm import HoldoutResult, SearchResult, check_search_params, evaluate_holdout, run_search
 from cel_utils.search.screening import run_screen
@@ -138,7 +139,8 @@ def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool | s
     timings["reliability_s"] = time.perf_counter() - start
     timings.update(reliability.pop("timings", None) or {})  # volatile: to the run info, not the artifact
 
-    payload = build_artifact(config, lm, data, search, holdout, reliability, examples, precision_record(config, lm, guard))
+    payload = build_artifact(config, lm, data, search, holdout, reliability, examples, precision_record(config, lm, guard),
+                             discovery_flips(data, discovery, search))
     # What differs between two runs of the same parameters goes beside the artifact, so that the artifact
     # itself is the same bytes every time (and after a resumed run). Written before the artifact, so an
     # artifact's run info is never an older run's.
@@ -158,7 +160,7 @@ def _bits(values: np.ndarray) -> list[int]:
 
 def build_artifact(config: RunConfig, lm: LoadedModel, data: TaskData, search: SearchResult, holdout: HoldoutResult,
                    reliability: dict | None = None, examples: list[dict] | None = None,
-                   precision: dict | None = None) -> dict:
+                   precision: dict | None = None, flips: dict | None = None) -> dict:
     """The run's artifact: deterministic content only (creation time and timings are in the run info)."""
     geometry: HeadGeometry = lm.geometry
     return {
@@ -184,6 +186,8 @@ def build_artifact(config: RunConfig, lm: LoadedModel, data: TaskData, search: S
         "stage2": [s.to_json() for s in search.stage2],
         "frozen": {"heads": [str(h) for h in search.frozen], "label": format_heads(search.frozen),
                    "discovery": search.best.to_json()},
+        # cel_utils.pipeline.discovery_flips: the items each scored set flipped, listed on a click on the run page
+        "discovery_flips": flips,
         "holdout": {**holdout.summary(), "item_ids": [item.id for item in data.holdout],
                     "full_correct": _bits(holdout.full.correct), "ablated_correct": _bits(holdout.ablated.correct),
                     "full_metric_vectors": {k: _bits(v) for k, v in holdout.full.metrics.items()},
