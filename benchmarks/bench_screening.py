@@ -51,7 +51,8 @@ def _rho(method, x, y) -> float | None:
 
 def bench_task(lm, task: str, n_discovery: int, screens: list[str], keeps: list[int], p: int, k: int, measure_keep: int,
                previous: dict, boundary: dict) -> dict:
-    config = RunConfig.from_dict({"task": task, "preset": "cpu", "model": lm.spec, "n_discovery": n_discovery})
+    # the cpu preset's items as the default model has them, whatever the model: the same items for every model
+    config = RunConfig.from_dict({"task": task, "preset": "cpu", "n_discovery": n_discovery})
     data = load_task_data(task, config.n_discovery, config.n_holdout, seed=config.seed, num_fewshot=config.num_fewshot,
                           data_dir=config.data_dir)
     evaluator = EngineEvaluator(lm, data.task, data.discovery, data.fewshot, progress=True, store=EvalStore())

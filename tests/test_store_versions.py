@@ -10,8 +10,8 @@ from cel_utils.evaluation.store import source_sha256
 
 # store_kind -> sha256 of its store_sources (cel_utils.evaluation.store.source_sha256).
 RECORDED = {
-    "naive-1": "5a93437428915e4a7275a5bf1f33302e879ec397ae7cf77aa10a5bc214cdf00b",
-    "engine-1": "93d08935e3080c2c910d5d6946edfac850f890da44e3896b1e5a66e05bcd80a3",
+    "naive-1": "b03d7caa4e1882d7d058fb570b9010df31ceaa319e950607a5f4d7edf87ba260",
+    "engine-2": "a81167dab2b87e4747e1bfc0d27773891b3a5b36e31b583c9f409ae849697253",
 }
 WHERE = {NaiveEvaluator: "store_kind in cel_utils/evaluation/evaluator.py",
          EngineEvaluator: "ENGINE_VERSION in cel_utils/evaluation/engine.py"}

@@ -47,7 +47,9 @@ from cel_utils.models.plumbing import (attention_windows, attention_with_mask, b
                                       start_at_layer, unembed)
 from cel_utils.tasks.scoring import ContinuationStats, Outcome, continuation_stats
 
-ENGINE_VERSION = "1"  # bump when the engine's stored numbers change (tests/test_store_versions.py)
+# Bump when the engine's stored numbers change (tests/test_store_versions.py). 2: packed answers see a sliding
+# window (Gemma 3) as the model does; before, a packed row longer than the window attended past it.
+ENGINE_VERSION = "2"
 # An item shorter than this fraction of its batch's longest starts a new batch. Small batches cost little
 # here because interventions are stacked up to the token budget anyway, while padding is computed in full:
 # BoolQ's and HellaSwag's lengths vary 4x, and batches of 8 were 36% padding.
