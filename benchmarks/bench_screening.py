@@ -2,8 +2,9 @@
 
     python benchmarks/bench_screening.py                                   # arithmetic_1dc, boolq, hellaswag
     python benchmarks/bench_screening.py --tasks boolq --screens attribution bf16 --keeps 10 20 30 50
+    python benchmarks/bench_screening.py --model gemma3-270m --tasks boolq hellaswag arithmetic_1dc
 
-For each task it evaluates every head of the default model exactly on the discovery set (the paper's stage 1), then
+For each task it evaluates every head of the model (``--model``, the default model unless named) exactly on the discovery set (the paper's stage 1), then
 runs each screen (:mod:`cel_utils.search.screening`) on the same items and reports, for several m (heads the screen
 passes on to exact evaluation):
 
@@ -16,7 +17,8 @@ passes on to exact evaluation):
   screen plus an exact evaluation of its top m, without the store).
 
 The exact evaluations go to the evaluation store ($CEL_CACHE_DIR), so an interrupted benchmark resumes; a wall time
-is only reported for what this invocation computed (its JSON keeps earlier measurements). Run it on a quiet machine:
+is only reported for what this invocation computed (its JSON keeps earlier measurements; each model has its own JSON
+file, ``screening.json`` for the default model, ``screening-<model>.json`` for another). Run it on a quiet machine:
 timings are from one run, so compare ratios. Output: a JSON file and the Markdown table printed at the end.
 """
 from __future__ import annotations
@@ -34,7 +36,7 @@ from cel_utils.evaluation.engine import EngineEvaluator
 from cel_utils.evaluation.outcomes import OutcomeTable
 from cel_utils.evaluation.store import EvalStore
 from cel_utils.hardware import machine_summary
-from cel_utils.models.loading import load_model
+from cel_utils.models.loading import DEFAULT_MODEL, display_name, load_model
 from cel_utils.paths import atomic_write
 from cel_utils.search.algorithm import run_search
 from cel_utils.search.ranking import rank_singles
@@ -49,6 +51,7 @@ def _rho(method, x, y) -> float | None:
 
 def bench_task(lm, task: str, n_discovery: int, screens: list[str], keeps: list[int], p: int, k: int, measure_keep: int,
                previous: dict, boundary: dict) -> dict:
+    # the cpu preset's items as the default model has them, whatever the model: the same items for every model
     config = RunConfig.from_dict({"task": task, "preset": "cpu", "n_discovery": n_discovery})
     data = load_task_data(task, config.n_discovery, config.n_holdout, seed=config.seed, num_fewshot=config.num_fewshot,
                           data_dir=config.data_dir)
@@ -67,7 +70,7 @@ def bench_task(lm, task: str, n_discovery: int, screens: list[str], keeps: list[
     gain = {s.heads[0]: s.gain for s in exact}
     margin = {h: float(np.mean(o.margin - full.margin)) for h, o in zip(heads, outcomes[1:])}
     frozen_exact = run_search(table, p=p, k=k).frozen
-    out = {"task": task, "n_discovery": len(data.discovery), "p": p, "k": k, "full_accuracy": full.accuracy,
+    out = {"task": task, "model": lm.name, "n_discovery": len(data.discovery), "p": p, "k": k, "full_accuracy": full.accuracy,
            "exact": {"top_p": [str(h) for h in exact_top], "frozen": [str(h) for h in frozen_exact],
                      "gains": {str(h): g for h, g in gain.items()},  # every head's exact discovery gain (points)
                      "ranking": [str(s.heads[0]) for s in exact[:max(keeps)]],  # the paper's key, best first
@@ -124,8 +127,14 @@ def markdown(results: list[dict], keeps: list[int]) -> str:
             wall = (f"{exact_s:.0f} s / {row['seconds']:.0f} s / {row['screened_stage1_seconds']:.0f} s (m={row['measured_keep']})"
                     if exact_s else f"? / {row['seconds']:.0f} s / {row['screened_stage1_seconds']:.0f} s")
             label = f"{method} ({row['candidates']} heads x {row['items']} items)" if "candidates" in row else method
-            lines.append(f"| {r['task']} ({r['n_discovery']} items) | {label} | {rho} | {recall} | {same} | {wall} |")
+            model = f"{r['model']}: " if r.get("model", DEFAULT_MODEL) != DEFAULT_MODEL else ""
+            lines.append(f"| {model}{r['task']} ({r['n_discovery']} items) | {label} | {rho} | {recall} | {same} | {wall} |")
     return "\n".join(lines)
+
+
+def default_out(model: str) -> str:
+    """The default model keeps the file name the book's tables were made from; another model gets its own file."""
+    return "results/bench/screening.json" if model == DEFAULT_MODEL else f"results/bench/screening-{display_name(model)}.json"
 
 
 def main() -> None:
@@ -139,11 +148,12 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=2)
     parser.add_argument("--candidates", type=int, default=60, help="boundary screen: heads passed to the boundary items")
     parser.add_argument("--items", type=int, default=12, help="boundary screen: items nearest the decision boundary")
-    parser.add_argument("--out", default="results/bench/screening.json")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="model spec (cel_utils.models.loading)")
+    parser.add_argument("--out", default=None, help="JSON file (default: results/bench/screening[-<model>].json)")
     args = parser.parse_args()
-    out = Path(args.out)
+    out = Path(args.out or default_out(args.model))
     previous = {r["task"]: r for r in json.loads(out.read_text())} if out.exists() else {}
-    lm = load_model()
+    lm = load_model(args.model)
     print(machine_summary(), flush=True)  # the wall-time ratios below belong to this machine
     results = []
     for task in args.tasks:

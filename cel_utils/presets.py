@@ -54,7 +54,24 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 }
 # Rows for one model spec, over the preset's own (preset -> model spec -> task family or "*" -> settings): sizes may
 # differ between models, and each run page states its power.
-MODEL_PRESETS: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
+# cpu, gemma3-270m: benchmarks/bench_model_cost.py measured what one item costs under one intervention on the engine,
+#   relative to the default model in the same run (2 cores shared with other work; 16 items x 6 single heads spread over
+#   the layers; MBPP 2 items x 2 heads, 96 new tokens): BoolQ 1.55x, HellaSwag 3.45x (every ending token's log-softmax
+#   over 262k rows), arithmetic_1dc 0.80x, MBPP's decoding 3.04x (no prefix reuse: prompt and answer pass the 512-token
+#   window). Scaling the default model's measured minutes (RUN_MINUTES; stage 1 about half of a cell) by those ratios
+#   and by items and m, each row below is estimated (not yet measured) at: BoolQ ~15, HellaSwag ~20, arithmetic ~11,
+#   MBPP ~17 minutes, two runs at a time. With 72 heads a given m is 3.8x the default model's share of its 271.
+#   Screens and m are the default model's until bench_screening.py --model gemma3-270m has measured them.
+MODEL_PRESETS: dict[str, dict[str, dict[str, dict[str, Any]]]] = {
+    "cpu": {
+        "gemma3-270m": {
+            "boolq": dict(n_discovery=64, n_holdout=200, screen_keep=10, null_items=100),
+            "hellaswag": dict(n_discovery=32, n_holdout=100, screen_keep=6, null_items=50),
+            "arithmetic": dict(screen_candidates=30),  # the boundary screen's exact pass over 30 of the 72 heads
+            "mbpp": dict(n_discovery=12, n_holdout=40),
+        },
+    },
+}
 TASK_FAMILIES = ("arithmetic", "boolq", "hellaswag", "mbpp")
 # The tasks a grid runs when none are named. The paper pools the 10 arithmetic configs; on CPU the default model is
 # only non-degenerate on single configs like 1dc (see the cpu rows above).

@@ -103,3 +103,11 @@ def default_model():
     from cel_utils.models.loading import load_model
 
     return load_model()
+
+
+@pytest.fixture(scope="session")
+def gemma_model():
+    """The second model, Gemma 3 270M (dequantized once into the shared cache: ~2 min the first time, ~20 s after)."""
+    from cel_utils.models.loading import load_model
+
+    return load_model("gemma3-270m")

@@ -38,15 +38,18 @@ import torch
 
 from cel_utils.evaluation.batching import length_batches
 from cel_utils.evaluation.evaluator import Evaluator, Intervention
-from cel_utils.evaluation.layout import Row, after_prefix, layout, row_inputs
+from cel_utils.evaluation.layout import Row, after_prefix, layout, repeat_mask, row_inputs
 from cel_utils.evaluation.prefix import (MIN_SHARED_PREFIX, prefix_cache, prefix_states, shared_prefix_length,
                                         sliding_window)
 from cel_utils.models.ablation import ablated_rows, head_mask
 from cel_utils.models.heads import format_heads
-from cel_utils.models.plumbing import attention_with_mask, base_model, capture_layer_outputs, start_at_layer, unembed
+from cel_utils.models.plumbing import (attention_windows, attention_with_mask, base_model, capture_layer_outputs,
+                                      start_at_layer, unembed)
 from cel_utils.tasks.scoring import ContinuationStats, Outcome, continuation_stats
 
-ENGINE_VERSION = "1"  # bump when the engine's stored numbers change (tests/test_store_versions.py)
+# Bump when the engine's stored numbers change (tests/test_store_versions.py). 2: packed answers see a sliding
+# window (Gemma 3) as the model does; before, a packed row longer than the window attended past it.
+ENGINE_VERSION = "2"
 # An item shorter than this fraction of its batch's longest starts a new batch. Small batches cost little
 # here because interventions are stacked up to the token budget anyway, while padding is computed in full:
 # BoolQ's and HellaSwag's lengths vary 4x, and batches of 8 were 36% padding.
@@ -188,7 +191,7 @@ class EngineEvaluator(Evaluator):
                     with attention_with_mask(self.lm.model, attn), ablated_rows(self.lm.model, row_masks, self.lm.geometry), \
                             start_at_layer(self.lm.model, layer, state):
                         hidden = base_model(self.lm.model)(
-                            input_ids=ids.repeat(m, 1), attention_mask=None if attn is None else attn.repeat(m, 1, 1, 1),
+                            input_ids=ids.repeat(m, 1), attention_mask=repeat_mask(attn, m),
                             position_ids=None if positions is None else positions.repeat(m, 1),
                             **self._prefix_kwargs(states, len(batch))).last_hidden_state
                     for j, index in enumerate(chunk):
@@ -272,7 +275,8 @@ class EngineEvaluator(Evaluator):
                 per[index][r] = stats
 
     def _inputs(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        ids, positions, attn = row_inputs(rows, self.lm.tokenizer.pad_token_id, self.lm.dtype, self.lm.device)
+        ids, positions, attn = row_inputs(rows, self.lm.tokenizer.pad_token_id, self.lm.dtype, self.lm.device,
+                                          attention_windows(self.lm.model))
         if self.prefix:  # the rows continue after the shared prefix (prefixed rows are never packed)
             positions = (torch.arange(ids.shape[1], device=ids.device) + len(self.prefix)).expand(len(rows), -1)
         return ids, positions, attn

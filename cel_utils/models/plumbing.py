@@ -105,6 +105,26 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return [get_module(layer, attention_path) for layer in decoder_layers(model)]
 
 
+# The sliding windows of a model's attention: None (every layer attends to the whole row), an int (every layer slides
+# by that window), or per layer type (``config.layer_types``) its window, None for a full-attention type.
+AttentionWindows = int | dict[str, int | None] | None
+
+
+def attention_windows(model: nn.Module) -> AttentionWindows:
+    """Which sliding windows the model's layers attend through (Gemma 3: five sliding layers per full one; Mistral: all
+    sliding); what a custom attention mask must reproduce, since the model applies none to it."""
+    config = model.config.get_text_config()
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if not window:
+        return None
+    types = set(getattr(config, "layer_types", None) or ())
+    if types and "sliding_attention" not in types:  # a window is configured but no layer slides (Qwen2's default)
+        return None
+    if len(types) > 1:
+        return {kind: window if kind == "sliding_attention" else None for kind in sorted(types)}
+    return window
+
+
 # --- Replaying kept states -------------------------------------------------------------------------------
 
 class _Passthrough(nn.Module):

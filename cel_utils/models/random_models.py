@@ -17,6 +17,11 @@ FAMILIES: dict[str, dict] = {
     "qwen3": {"cls": "Qwen3Config"},
     "smollm3": {"cls": "SmolLM3Config"},
     "gemma3_text": {"cls": "Gemma3TextConfig", "query_pre_attn_scalar": 16},
+    # Gemma 3 270M's layout in small: one KV head, heads x head_dim wider than the hidden size, tied embeddings, and
+    # sliding-window layers (here two of every three, the real model five of six) whose window of 16 tokens is shorter
+    # than every task's prompt, so that it bites wherever the engine builds its own attention mask.
+    "gemma3": {"cls": "Gemma3TextConfig", "query_pre_attn_scalar": 16, "sliding_window": 16, "sliding_window_pattern": 3,
+               "tie_word_embeddings": True, "geometry": {"tiny": dict(kv_heads=1, hidden=48)}},
     "gpt2": {"cls": "GPT2Config"},
 }
 
@@ -37,14 +42,14 @@ def random_config(family: str, size: str = "tiny", vocab_size: int = 49152):
         raise ValueError(f"unknown size {size!r}: choose from {sorted(SIZES)}")
     spec = dict(FAMILIES[family])
     config_cls = getattr(transformers, spec.pop("cls"))
-    s = SIZES[size]
+    s = {**SIZES[size], **spec.pop("geometry", {}).get(size, {})}
     if family == "gpt2":
         return config_cls(vocab_size=vocab_size, n_layer=s["layers"], n_head=s["heads"], n_embd=s["heads"] * s["head_dim"],
                           n_positions=2048, n_inner=s["ffn"], bos_token_id=1, eos_token_id=2, pad_token_id=2, **spec)
     return config_cls(vocab_size=vocab_size, num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
                       num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], hidden_size=s["hidden"],
-                      intermediate_size=s["ffn"], max_position_embeddings=4096, tie_word_embeddings=False,
-                      pad_token_id=2, bos_token_id=1, eos_token_id=2, **spec)
+                      intermediate_size=s["ffn"], max_position_embeddings=4096,
+                      **{"tie_word_embeddings": False, "pad_token_id": 2, "bos_token_id": 1, "eos_token_id": 2, **spec})
 
 
 def build_random_model(family: str, size: str, *, vocab_size: int, seed: int, device: torch.device,

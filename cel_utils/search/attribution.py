@@ -34,7 +34,7 @@ import torch
 from cel_utils.evaluation.batching import length_batches
 from cel_utils.evaluation.kinds import kind_of
 from cel_utils.evaluation.layout import Row, layout, row_inputs
-from cel_utils.models.plumbing import attention_with_mask, base_model, scaled_head_outputs, unembed
+from cel_utils.models.plumbing import attention_windows, attention_with_mask, base_model, scaled_head_outputs, unembed
 from cel_utils.progress import progress_bar
 from cel_utils.tasks.scoring import at_least_float32
 
@@ -82,7 +82,8 @@ def _batch_margins(evaluator, requests, margin, rows: list[Row], batch: list[int
     """M of each request in ``batch`` with its row's o_proj inputs scaled by its own ``gates`` [rows, layers, heads]
     (1: kept, 0: ablated); rows right padded (no real position attends to a pad)."""
     lm, geometry = evaluator.lm, evaluator.lm.geometry
-    ids, positions, attn = row_inputs([rows[i] for i in batch], lm.tokenizer.pad_token_id, lm.dtype, lm.device)
+    ids, positions, attn = row_inputs([rows[i] for i in batch], lm.tokenizer.pad_token_id, lm.dtype, lm.device,
+                                      attention_windows(lm.model))
     factors = {layer: gates[:, layer].repeat_interleave(geometry.head_dim, dim=-1) for layer in range(geometry.n_layers)}
     with attention_with_mask(lm.model, attn), scaled_head_outputs(lm.model, factors):
         hidden = base_model(lm.model)(input_ids=ids, position_ids=positions, attention_mask=attn).last_hidden_state
