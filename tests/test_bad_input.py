@@ -26,9 +26,9 @@ BASE = dict(model="random:llama:tiny", task="hellaswag", n_discovery=4, n_holdou
 CASES = [
     ("unknown model spec (path)", {"model": "./no/such/model"}, FileNotFoundError,
      r"unknown model spec './no/such/model': it is not a file or directory that exists; use 'smollm2-135m-instruct', "
-     r"a hub id 'org/name', a checkpoint directory", "validate"),
+     r"'gemma3-270m', a hub id 'org/name', a checkpoint directory", "validate"),
     ("unknown model spec (random family)", {"model": "random:opt:tiny"}, ValueError,
-     r"unknown family 'opt': choose from \['gemma3_text', 'gpt2', 'llama'", "model"),
+     r"unknown family 'opt': choose from \['gemma3', 'gemma3_text', 'gpt2', 'llama'", "model"),
     ("empty model spec", {"model": ""}, ValueError, r"model spec must be a non-empty string, got '': use", "validate"),
     ("checkpoint directory without config.json", {"model": "{tmp}"}, FileNotFoundError,
      r"is a directory without config.json, not a checkpoint: point it at the folder that holds config.json", "validate"),
