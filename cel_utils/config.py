@@ -367,7 +367,8 @@ def add_setting_flags(group, cls: type = RunConfig, only: typing.Collection[str]
             continue
         value_type, optional = setting_type(cls, f.name)
         default = "none" if f.default is None else f.default
-        help_text = f"{f.metadata['help']} (default: {default}, unless the preset sets it)"
+        # argparse %-formats help strings: a literal % in a declaration ("~1% of decisions") must reach it as %%
+        help_text = f"{f.metadata['help']} (default: {default}, unless the preset sets it)".replace("%", "%%")
         flag = "--" + f.name.replace("_", "-")
         if value_type is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,

@@ -242,3 +242,19 @@ def test_skip_existing_reruns_when_the_weights_differ(tokenizer, tmp_path):
         model.lm_head.weight[0, 0] += 1.0
     model.save_pretrained(folder)  # the same folder, other weights (an export with --overwrite, a training step)
     assert grid.up_to_date(cell) is None
+
+
+def test_every_command_prints_its_help(capsys):
+    """Help is built from the settings' declarations: one with a literal % once made `cel main --help` crash."""
+    from cel_utils.cli import parser
+
+    commands = [name for action in parser()._subparsers._group_actions for name in action.choices]
+    assert {"main", "grid", "transfer", "strategies"} <= set(commands)
+    shown = {}
+    for command in commands:
+        with pytest.raises(SystemExit) as ended:
+            main([command, "--help"])
+        assert ended.value.code == 0, command
+        shown[command] = " ".join(capsys.readouterr().out.split())
+        assert shown[command].startswith("usage: cel " + command), command
+    assert "flips ~1% of decisions" in shown["main"]  # the % as declared, not doubled
