@@ -296,6 +296,12 @@ def task_family(task: str) -> str:
     return "arithmetic" if task.startswith("arithmetic") else task
 
 
+def task_sort_key(task: str) -> tuple:
+    """The book's task order (TASK_FAMILIES'), then the name: tables and matrices list tasks alike."""
+    family = task_family(task)
+    return (TASK_FAMILIES.index(family) if family in TASK_FAMILIES else len(TASK_FAMILIES)), task
+
+
 def preset_values(preset: str, task: str, model: str | None = None) -> dict[str, Any]:
     """The preset's partial configuration for ``task`` (its family's row over the ``*`` row) and, where the preset has
     rows for ``model`` (:data:`MODEL_PRESETS`), those over them in the same order."""

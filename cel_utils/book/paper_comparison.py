@@ -7,13 +7,34 @@ from __future__ import annotations
 import pandas as pd
 
 from cel_utils.book.text import md_table
-from cel_utils.config import RunConfig, task_family
+from cel_utils.config import TASK_FAMILIES, RunConfig, task_family
+from cel_utils.tasks.scoring import relative_error_reduction
+
+PAPER_MODELS = ("SmolLM3-3B", "Qwen2.5-3B-Instruct", "Llama-3.2-3B-Instruct")  # Table 1's column order
+PAPER_COMPUTED_MARK = "*"  # a relative error reduction computed here: the paper prints only the column's min and max
+
+
+def paper_rer(row: dict) -> tuple[float, bool]:
+    """A Table 1 cell's relative error reduction in percent, and whether it was computed here (gain / (100 - full),
+    from the printed gain) because the paper does not print it."""
+    if row.get("relative_error_reduction"):
+        return float(row["relative_error_reduction"]), False
+    return relative_error_reduction(float(row["full_accuracy"]), float(row["full_accuracy"]) + float(row["gain_points"])), True
+
+
+def paper_cell(row: dict) -> str:
+    """``full -> ablated (+gain), rer%``, the gain as printed (three printed gains differ from ablated - full by 0.01);
+    a computed relative error reduction carries the (escaped) mark."""
+    rer, computed = paper_rer(row)
+    mark = "\\" + PAPER_COMPUTED_MARK if computed else ""
+    return (f"{float(row['full_accuracy']):.2f} -> {float(row['ablated_accuracy']):.2f} "
+            f"({float(row['gain_points']):+.2f}), {rer:.2f}%{mark}")
+
 
 PAPER_NOTE = "paper:"
 
 
 def _paper_models(paper_rows: list[dict]) -> list[str]:
-    from cel_utils.book.results_page import PAPER_MODELS
 
     models = [m for m in PAPER_MODELS if any(r["model"] == m for r in paper_rows)]
     return models + [m for m in dict.fromkeys(r["model"] for r in paper_rows) if m not in models]
@@ -89,11 +110,10 @@ def task_sentence(family: str, runs: list, paper: list[tuple[str, float]]) -> st
 
 def side_by_side(table: pd.DataFrame, paper_rows: list[dict]) -> list[str]:
     """The section: one table (tasks x the paper's models and ours) and a sentence per task."""
-    from cel_utils.book.results_page import TASK_ORDER, paper_cell
 
     paper_models = _paper_models(paper_rows)
     columns = _our_columns(table) if not table.empty else []
-    families = [f for f in TASK_ORDER if any(r["task"] == f for r in paper_rows)
+    families = [f for f in TASK_FAMILIES if any(r["task"] == f for r in paper_rows)
                 or (not table.empty and any(task_family(t) == f for t in table.task))]
     lookup = {(r["model"], r["task"]): r for r in paper_rows}
     body, sentences = [], []

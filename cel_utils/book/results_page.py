@@ -11,26 +11,18 @@ from pathlib import Path
 import pandas as pd
 
 from cel_utils.book.run_page import power_of, run_stem, significance, tied_at_top, verdict_of
-from cel_utils.book.paper_comparison import hour_note, side_by_side
+from cel_utils.book.paper_comparison import PAPER_COMPUTED_MARK, PAPER_MODELS, hour_note, paper_cell, paper_rer, side_by_side
 from cel_utils.book.strategies_page import strategies_section
 from cel_utils.book.transfer_page import transfer_section
 from cel_utils.book.text import ci_text, md_table, ordinal, p_is, provenance_text, rer_text, transition_text
-from cel_utils.config import BOOK_SEED, task_family
+from cel_utils.config import BOOK_SEED, TASK_FAMILIES, task_family, task_sort_key
 from cel_utils.paths import atomic_write
 from cel_utils.pipeline.artifacts import load_artifacts
 from cel_utils.pipeline.transfer import load_transfers
 from cel_utils.tasks.scoring import relative_error_reduction
 
-PAPER_MODELS = ("SmolLM3-3B", "Qwen2.5-3B-Instruct", "Llama-3.2-3B-Instruct")  # Table 1's column order
 PAPER_TITLE = "Can Capability Enhancement Be Localized to Specific Attention Heads?"
-PAPER_COMPUTED_MARK = "*"  # a relative error reduction computed here: the paper prints only the column's min and max
-TASK_ORDER = ("arithmetic", "boolq", "hellaswag", "mbpp")
-
-
-def _task_sort_key(task: str) -> tuple:
-    family = task_family(task)
-    rank = TASK_ORDER.index(family) if family in TASK_ORDER else len(TASK_ORDER)
-    return rank, task
+TASK_ORDER = TASK_FAMILIES  # the book's task order
 
 
 def summarize(artifacts: list[dict], runs_dir: Path | None = None) -> pd.DataFrame:
@@ -57,7 +49,7 @@ def summarize(artifacts: list[dict], runs_dir: Path | None = None) -> pd.DataFra
     table = pd.DataFrame(rows, columns=columns)
     if table.empty:
         return table
-    order = sorted(range(len(table)), key=lambda i: (_task_sort_key(table.task[i]), table.model[i], table.seed[i]))
+    order = sorted(range(len(table)), key=lambda i: (task_sort_key(table.task[i]), table.model[i], table.seed[i]))
     return table.iloc[order].reset_index(drop=True)
 
 
@@ -123,23 +115,6 @@ def read_paper_table(path: Path) -> list[dict]:
         return list(csv.DictReader(handle))
 
 
-def paper_rer(row: dict) -> tuple[float, bool]:
-    """A Table 1 cell's relative error reduction in percent, and whether it was computed here (gain / (100 - full),
-    from the printed gain) because the paper does not print it."""
-    if row.get("relative_error_reduction"):
-        return float(row["relative_error_reduction"]), False
-    return relative_error_reduction(float(row["full_accuracy"]), float(row["full_accuracy"]) + float(row["gain_points"])), True
-
-
-def paper_cell(row: dict) -> str:
-    """``full -> ablated (+gain), rer%``, the gain as printed (three printed gains differ from ablated - full by 0.01);
-    a computed relative error reduction carries the (escaped) mark."""
-    rer, computed = paper_rer(row)
-    mark = "\\" + PAPER_COMPUTED_MARK if computed else ""
-    return (f"{float(row['full_accuracy']):.2f} -> {float(row['ablated_accuracy']):.2f} "
-            f"({float(row['gain_points']):+.2f}), {rer:.2f}%{mark}")
-
-
 def _link(text: str, row, link_prefix: str) -> str:
     return f"[{text}]({link_prefix}{row.stem}.ipynb)" if row.page else text
 
@@ -175,7 +150,7 @@ def results_markdown(artifacts: list[dict], paper_rows: list[dict], runs_dir: Pa
                           "the paper's gains (Table 1) against this run's 95% CI"], verdicts), ""]
         out += _forking_paths_note(set(int(seed) for seed in table.seed))
         models = list(dict.fromkeys(table.model))
-        tasks = sorted(dict.fromkeys(table.task), key=_task_sort_key)
+        tasks = sorted(dict.fromkeys(table.task), key=task_sort_key)
         body = []
         for task in tasks:
             cells = []
@@ -216,7 +191,7 @@ def results_markdown(artifacts: list[dict], paper_rows: list[dict], runs_dir: Pa
                                "vs random sets", "discovery -> holdout gain",
                                "frozen set re-selected, overlap, holdout gains"], checks), ""]
     out += transfer_section(transfers or [])
-    out += strategies_section(strategies or [], _task_sort_key)
+    out += strategies_section(strategies or [], task_sort_key)
     out += _paper_section(paper_rows, table)
     out += hour_note(artifacts, transfers or [])
     if source_note:

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import ipywidgets as w
 
-from cel_utils.explore import render
+import cel_utils.explore.render as render
 from cel_utils.explore.runs import RunSets, load_run
 from cel_utils.explore.session import SPLITS, ExploreSession
 from cel_utils.models.heads import HeadId, format_heads, head_set, parse_head

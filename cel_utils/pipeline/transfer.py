@@ -25,7 +25,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from cel_utils.config import TransferConfig, field_names
+from cel_utils.config import TransferConfig, field_names, task_sort_key
 from cel_utils.models.heads import parse_head
 from cel_utils.pipeline.artifacts import (SCHEMA_VERSION, artifact_name, library_versions, read_artifact, run_info_path,
                                           slug, utc_now, write_json)
@@ -137,9 +137,8 @@ def run_transfer(results_dir: str | Path, model: str, seed: int, tasks: Iterable
     if not paths:
         raise FileNotFoundError(f"no run artifact of {name} with seed {seed} in {results_dir}: run the grid first")
     runs = {task: read_artifact(path) for task, path in paths.items()}
-    from cel_utils.book.results_page import _task_sort_key  # the book's task order: rows and columns read alike
 
-    order = sorted(runs, key=_task_sort_key)
+    order = sorted(runs, key=task_sort_key)  # the book's task order: rows and columns read alike
     # checked as a run's are (bad sizes, an unreadable data mirror, an unwritable store: before any model loads)
     configs = {task: target_config(runs[task], {**(given or {}), "results_dir": str(results_dir)}).validate()
                for task in order}
