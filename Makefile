@@ -1,5 +1,6 @@
 # Two entry points (see README.md). Each creates .venv on first use and installs from this project's files.
-#   make book   -- the main job: the default model on the default tasks, ending in a built Jupyter Book
+#   make book   -- the main job: the book's two models on the four default tasks and their transfer matrices, ending
+#                  in a built Jupyter Book
 #   make test   -- the test suite (what CI runs)
 # Besides: make explore -- the head explorer as a local web app (notebooks/explore.ipynb in Voila)
 SHELL := /bin/bash

@@ -68,7 +68,8 @@ def _execution_arguments(parser: argparse.ArgumentParser) -> None:
     x.add_argument("--executor", choices=EXECUTORS, default="local",
                    help="local (default: in this process, or --jobs worker processes), submitit-local (one submitit "
                         "job per cell on this machine), slurm (one Slurm job per cell, or one job array)")
-    x.add_argument("--jobs", type=int, default=1, help="cells run at once by the local executor (default 1)")
+    x.add_argument("--jobs", type=int, default=1, help="cells run at once by the local executor, and (main) models' "
+                                                       "transfer steps at once after them (default 1)")
     x.add_argument("--skip-existing", action="store_true",
                    help="skip cells whose artifact and page exist and were made with the same result-changing settings")
     x.add_argument("--notebook", default=None, help="the run notebook (default: notebooks/cel_run.ipynb)")
@@ -249,28 +250,8 @@ def _transfer_settings(args) -> dict:
     return {name: value for name, value in given_settings(args, TransferConfig).items() if name in TRANSFER_SETTINGS}
 
 
-def _run_transfers(results_dir: Path, selection: list[tuple[str, int, list[str] | None]], given: dict) -> int:
-    """The transfer step for each (model, seed, tasks); tasks None: every task the model has an artifact of with that
-    seed. 0 when every matrix was written or up to date, else 1. A model with fewer than two tasks has no matrix."""
-    from cel_utils.models.loading import display_name
-    from cel_utils.pipeline.transfer import find_runs, run_transfer
-
-    status = 0
-    for model, seed, tasks in selection:
-        if tasks is None:
-            tasks = list(find_runs(results_dir, display_name(model), seed))
-        if len(tasks) < 2:
-            print(f"transfer: {model} (seed {seed}) has {len(tasks)} task(s) with a result: no matrix", flush=True)
-            continue
-        try:
-            result = run_transfer(results_dir, model, seed, tasks, given=given)
-        except (ValueError, FileNotFoundError) as error:
-            print(f"transfer: FAILED {model} (seed {seed}): {error}", file=sys.stderr, flush=True)
-            status = 1
-            continue
-        what = "up to date" if result.status == "skipped" else f"{result.n_evaluations} set(s) scored, {result.seconds:.0f} s"
-        print(f"transfer: {model} (seed {seed}) over {', '.join(tasks)}: {what} -> {result.path}", flush=True)
-    return status
+def _say(line: str) -> None:
+    print(line, flush=True)
 
 
 def cmd_transfer(args) -> int:
@@ -281,7 +262,9 @@ def cmd_transfer(args) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    return _run_transfers(paths.results_dir, selection, given)
+    from cel_utils.pipeline.transfer import run_transfers
+
+    return run_transfers(paths.results_dir, selection, given, jobs=args.jobs, say=_say)
 
 
 def cmd_main(args) -> int:
@@ -295,7 +278,10 @@ def cmd_main(args) -> int:
     if args.executor == "slurm":
         print("transfer: not run here (the cells ran on the cluster): `cel transfer` on a node with the results and the "
               "store, then `cel book`", flush=True)
-    transfer_status = _run_transfers(_paths(args).results_dir, selection, _transfer_settings(args))
+    from cel_utils.pipeline.transfer import run_transfers
+
+    transfer_status = run_transfers(_paths(args).results_dir, selection, _transfer_settings(args), jobs=args.jobs,
+                                    say=_say)
     book_status = cmd_book(args)
     return max(grid_status, transfer_status, book_status)
 
@@ -337,6 +323,7 @@ def _transfer_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the tasks (rows and columns; each needs its run's artifact; default: every task the model ran)")
     g.add_argument("--seeds", nargs="+", type=int, default=[BOOK_SEED], metavar="SEED",
                    help=f"{setting_help('seed')} (default: {BOOK_SEED})")
+    g.add_argument("--jobs", type=int, default=1, help="matrices computed at once, one worker process each (default 1)")
     s = parser.add_argument_group("settings (every other one is the run's, from its artifact)")
     from cel_utils.pipeline.transfer import TRANSFER_SETTINGS
 

@@ -312,9 +312,11 @@ def preset_values(preset: str, task: str, model: str | None = None) -> dict[str,
     return values
 
 
-def expected_minutes(preset: str, task: str) -> float | None:
-    """How long a run of ``task`` under ``preset`` took when last measured (:data:`RUN_MINUTES`); None if never."""
-    return RUN_MINUTES.get(resolve_preset(preset), {}).get(task_family(task))
+def expected_minutes(preset: str, task: str, model: str | None = None) -> float | None:
+    """How long a run of ``task`` under ``preset`` took when last measured (:data:`RUN_MINUTES`): ``model``'s row, else
+    the default model's (``"*"``), as an estimate for a model never measured; None if the task never was."""
+    table = RUN_MINUTES.get(resolve_preset(preset), {})
+    return table.get(model, table.get("*", {})).get(task_family(task))
 
 
 def default_tasks(preset: str = "auto", cuda: bool | None = None) -> tuple[str, ...]:

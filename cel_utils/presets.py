@@ -19,22 +19,24 @@ from typing import Any
 # quick: the run notebook's default, a few minutes on a laptop. smoke: seconds per cell with a random tiny model.
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "cpu": {
-        # Sized for `make book` (all four tasks, two at a time) in an hour on two cores; measured 46 min, an estimated
-        # 62-65 on the slowest 2-core machine seen (book/speed.md, "The main job's time").
+        # Sized for `make book` (both book models, all four tasks, two runs at a time, then the transfer matrices) in
+        # an hour on two cores (book/speed.md, "The main job's time").
         # The screen and m per task are the ones that froze exhaustive stage 1's set in benchmarks/bench_screening.py
         # (book/speed.md, "Screened stage 1 against exhaustive search").
-        # The random sets are scored on the holdout's first 125 items: 4 sets there cost half of 2 on all 500 and can
-        # reach p = 0.2 rather than 0.33.
+        # The random sets are scored on a seeded random 50 of the holdout's items: 4 sets there reach p = 0.2 for a
+        # tenth of the cost of 4 on all 500. No discovery resamples: the hour went to the second model.
         # The transfer matrix scores 3 other tasks' sets on transfer_items of each holdout (benchmarks/bench_transfer.py:
         # on the whole holdouts it would cost the default model about as much as its four runs).
         "*": dict(n_discovery=128, n_holdout=500, p=3, k=2, stage1="screened", screen="attribution", screen_keep=8,
-                  n_random_sets=4, null_items=125, n_resamples=0, transfer_items=100),
-        # arithmetic's items are short and share a 3-shot prefix: it can afford p=5 and the stability resamples; on it
-        # attribution ranks heads by margin changes far from the decision boundary, so it needs the boundary screen
+                  n_random_sets=4, null_items=50, n_resamples=0, transfer_items=100),
+        # arithmetic's items are short and share a 3-shot prefix: it can afford p=5; on it attribution ranks heads by
+        # margin changes far from the decision boundary, so it needs the boundary screen
         "arithmetic": dict(num_fewshot=3, p=5, screen="boundary", screen_candidates=60, screen_items=12,
-                           screen_keep=10, n_resamples=2),
-        # attribution holds BoolQ's exact top 3 from m = 20 (at m = 8 it misses one and freezes another set)
-        "boolq": dict(screen_keep=20),
+                           screen_keep=10),
+        # attribution holds BoolQ's exact top 3 from m = 20 (at m = 8 it misses one and freezes another set); its
+        # passages make it the costliest holdout per item, so 300 items (HellaSwag: four endings per item, likewise)
+        "boolq": dict(screen_keep=20, n_holdout=300),
+        "hellaswag": dict(n_holdout=300),
         # pass@1 has no margin: the screen attributes the reference solution's likelihood; every evaluation generates
         "mbpp": dict(n_discovery=32, n_holdout=100, max_new_tokens=96, screen_keep=3, p=2, n_random_sets=0,
                      transfer_items=30),
@@ -54,21 +56,21 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 }
 # Rows for one model spec, over the preset's own (preset -> model spec -> task family or "*" -> settings): sizes may
 # differ between models, and each run page states its power.
-# cpu, gemma3-270m: benchmarks/bench_model_cost.py measured what one item costs under one intervention on the engine,
-#   relative to the default model in the same run (2 cores shared with other work; 16 items x 6 single heads spread over
-#   the layers; MBPP 2 items x 2 heads, 96 new tokens): BoolQ 1.55x, HellaSwag 3.45x (every ending token's log-softmax
-#   over 262k rows), arithmetic_1dc 0.80x, MBPP's decoding 3.04x (no prefix reuse: prompt and answer pass the 512-token
-#   window). Scaling the default model's measured minutes (RUN_MINUTES; stage 1 about half of a cell) by those ratios
-#   and by items and m, each row below is estimated (not yet measured) at: BoolQ ~15, HellaSwag ~20, arithmetic ~11,
-#   MBPP ~17 minutes, two runs at a time. With 72 heads a given m is 3.8x the default model's share of its 271.
-#   Screens and m are the default model's until bench_screening.py --model gemma3-270m has measured them.
+# cpu, gemma3-270m: the screens and m are those that froze exhaustive stage 1's set in
+#   `benchmarks/bench_screening.py --model gemma3-270m` on these discovery sizes (book/speed.md, "A second architecture"):
+#   on BoolQ attribution misses the exact top 3 up to m = 20 while the boundary screen freezes the exhaustive set at
+#   m = 10; on HellaSwag attribution freezes it at m = 6; on arithmetic_1dc one head gains on discovery (one item net)
+#   and the boundary screen ranks it first. MBPP's decoding costs 3x the default model's per item (the unembedding of
+#   262k rows at every step; benchmarks/bench_model_cost.py) and the base model passes none of its MBPP items; a
+#   HellaSwag item costs about 9x a BoolQ one (each ending token's log-softmax over 262k rows): both stay small, with
+#   small transfer subsets.
 MODEL_PRESETS: dict[str, dict[str, dict[str, dict[str, Any]]]] = {
     "cpu": {
         "gemma3-270m": {
-            "boolq": dict(n_discovery=64, n_holdout=200, screen_keep=10, null_items=100),
-            "hellaswag": dict(n_discovery=32, n_holdout=100, screen_keep=6, null_items=50),
+            "boolq": dict(n_discovery=64, n_holdout=500, screen="boundary", screen_candidates=30, screen_keep=10),
+            "hellaswag": dict(n_discovery=32, n_holdout=100, screen_keep=6, transfer_items=50),
             "arithmetic": dict(screen_candidates=30),  # the boundary screen's exact pass over 30 of the 72 heads
-            "mbpp": dict(n_discovery=12, n_holdout=40),
+            "mbpp": dict(n_discovery=12, n_holdout=40, transfer_items=15),
         },
     },
 }
@@ -79,13 +81,15 @@ PRESET_TASKS = {"cpu": ("arithmetic_1dc", "boolq", "hellaswag", "mbpp"), "paper"
                 "quick": ("arithmetic_1dc", "boolq", "hellaswag", "mbpp"), "smoke": TASK_FAMILIES, "none": TASK_FAMILIES}
 
 
-# Minutes each cpu-preset run of the default model took in `make book`, two at a time (book/speed.md, at 61abcd7).
+# Minutes each cpu-preset run took in `make book`, two at a time, per model spec ("*": the default model's, the
+# estimate for a model never measured) and task family (book/speed.md, "The main job's time").
 # Only their order is used: the local pool starts the longest runs first (cel_utils.grid.executors.start_order).
-RUN_MINUTES = {"cpu": {"boolq": 30.0, "hellaswag": 25.7, "mbpp": 14.4, "arithmetic": 13.8}}
+RUN_MINUTES = {"cpu": {"*": {"boolq": 30.0, "hellaswag": 25.7, "mbpp": 14.4, "arithmetic": 13.8},
+                       "gemma3-270m": {"boolq": 2.9, "hellaswag": 8.8, "mbpp": 9.2, "arithmetic": 10.5}}}
 
 # What `cel main` (and so `make book`) runs when no models or seeds are named: the book's models, and the seed of its
 # draws (discovery, holdout, few-shot exemplars, the null's items, resamples). Every preset decision before it was made
 # on seed 0's items, and some after seed-0 holdout scores had been read (the results page says which), so the
 # published book draws with a seed that no preset decision has seen: its holdouts are a single look.
-BOOK_MODELS = ("smollm2-135m-instruct",)
+BOOK_MODELS = ("smollm2-135m-instruct", "gemma3-270m")
 BOOK_SEED = 1

@@ -50,7 +50,7 @@ def test_each_preset_has_default_tasks_one_per_family_that_plan_accepts(tmp_path
 def test_the_local_pool_starts_the_longest_measured_runs_first(tmp_path):
     """`make book` (two workers): BoolQ and HellaSwag start together and arithmetic, the shortest, starts last, not
     beside BoolQ; cells never measured follow in grid order; results still come back in grid order (test below)."""
-    assert {config.task_family(t) for t in config.default_tasks("cpu")} <= set(config.RUN_MINUTES["cpu"])
+    assert {config.task_family(t) for t in config.default_tasks("cpu")} <= set(config.RUN_MINUTES["cpu"]["*"])
     paths = dict(runs_dir=tmp_path / "runs", results_dir=tmp_path / "results")
     cpu = grid.plan([GOOD], config.default_tasks("cpu"), [0], "cpu", **paths)
     smoke = grid.plan([GOOD], ["mbpp", "arithmetic_2da"], [0, 1], "smoke", **paths)

@@ -15,8 +15,8 @@ from cel_utils.models.heads import parse_head
 from cel_utils.models.loading import load_model
 from cel_utils.pipeline.artifacts import read_artifact
 from cel_utils.pipeline.protocol import run_cel
-from cel_utils.pipeline.transfer import (load_transfers, matrix, read_transfer, run_transfer, transfer_item_indices,
-                                         transfer_path)
+from cel_utils.pipeline.transfer import (load_transfers, matrix, read_transfer, run_transfer, run_transfers,
+                                         transfer_item_indices, transfer_path)
 from cel_utils.tasks.splits import load_task_data
 
 MODEL = "random:llama:tiny"
@@ -118,6 +118,29 @@ def test_bad_input_is_a_clear_error_and_leaves_no_file(runs, lm, tmp_path, monke
     # from the command line: exit 1, the missing artifact named
     assert main(["transfer", "--results-dir", str(copy), "--models", MODEL, "--seeds", "0", "--tasks", "boolq",
                  "mbpp"]) == 1
+
+
+def test_matrices_computed_at_once_in_workers_are_the_bytes_of_one_at_a_time(runs, lm, data_dir, tmp_path):
+    """`cel main --jobs 2` runs two models' transfer steps in two worker processes: the same files as one after the
+    other, and a step that fails does not stop the other (exit status 1, its reason said)."""
+    import shutil
+
+    copy = tmp_path / "results"
+    shutil.copytree(runs, copy, ignore=shutil.ignore_patterns("transfer"))
+    for task in TASKS:  # a second seed's runs: a second matrix
+        run_cel(RunConfig.from_dict({"model": MODEL, "task": task, "seed": 1, "preset": "smoke", "results_dir": str(copy),
+                                     "data_dir": data_dir, "n_resamples": 0, "cache": False}), lm=lm, progress=False)
+    given = {"transfer_items": 4, "cache": False}
+    said = []
+    selection = [(MODEL, 0, None), (MODEL, 1, None), (MODEL, 2, ["boolq", "mbpp"])]
+    assert run_transfers(copy, selection, given, jobs=2, say=said.append) == 1
+    at_once = {path.name: path.read_bytes() for path in (copy / "transfer").glob("*.json")}
+    assert sorted(at_once) == ["random-llama-tiny__seed0.json", "random-llama-tiny__seed1.json"]
+    failed = [line for line in said if line.startswith("transfer: FAILED")]
+    assert len(failed) == 1 and "(seed 2)" in failed[0] and "mbpp" in failed[0], said
+    shutil.rmtree(copy / "transfer")
+    assert run_transfers(copy, selection[:2], given, jobs=1, say=lambda _: None) == 0
+    assert {path.name: path.read_bytes() for path in (copy / "transfer").glob("*.json")} == at_once
 
 
 def test_transfer_items_is_one_declared_setting_the_presets_can_size():

@@ -80,7 +80,8 @@ def start_order(cells: list[Cell]) -> list[Cell]:
     would run alone at the end while the other workers idle. In grid order `make book` ran arithmetic (its shortest
     run) beside BoolQ (its longest) and MBPP alone at the end.
     """
-    return sorted(cells, key=lambda cell: -(expected_minutes(cell.parameters["preset"], cell.parameters["task"]) or 0))
+    return sorted(cells, key=lambda cell: -(expected_minutes(cell.parameters["preset"], cell.parameters["task"],
+                                                             cell.parameters["model"]) or 0))
 
 
 def prepare_models(cells: list[Cell]) -> None:

@@ -206,6 +206,45 @@ def run_transfer(results_dir: str | Path, model: str, seed: int, tasks: Iterable
     return TransferResult(out, "ok", seconds, n_evaluations)
 
 
+def _transfer_one(results_dir: Path, model: str, seed: int, tasks: list[str], given: Mapping | None) -> tuple[str, str]:
+    """One (model, seed) step for :func:`run_transfers`, in this process or a worker: ("ok", line) or ("failed", why)."""
+    try:
+        result = run_transfer(results_dir, model, seed, tasks, given=given)
+    except (ValueError, FileNotFoundError) as error:
+        return "failed", f"{model} (seed {seed}): {error}"
+    what = "up to date" if result.status == "skipped" else f"{result.n_evaluations} set(s) scored, {result.seconds:.0f} s"
+    return "ok", f"{model} (seed {seed}) over {', '.join(tasks)}: {what} -> {result.path}"
+
+
+def run_transfers(results_dir: str | Path, selection: Iterable[tuple[str, int, list[str] | None]],
+                  given: Mapping | None = None, jobs: int = 1, say=print) -> int:
+    """The transfer step for each (model spec, seed, tasks) of ``selection`` (tasks None: every task the model has an
+    artifact of with that seed), ``jobs`` of them at once in worker processes (two models' steps on 2 cores: the
+    throughput of two processes, as the grid's cells). 0 when every matrix was written or up to date, else 1 (a step
+    that fails does not stop the others). A model with fewer than two tasks has no matrix."""
+    from cel_utils.models.loading import display_name
+
+    results_dir, todo = Path(results_dir), []
+    for model, seed, tasks in selection:
+        if tasks is None:
+            tasks = list(find_runs(results_dir, display_name(model), seed))
+        if len(tasks) < 2:
+            say(f"transfer: {model} (seed {seed}) has {len(tasks)} task(s) with a result: no matrix")
+        else:
+            todo.append((results_dir, model, seed, list(tasks), dict(given or {})))
+    if jobs > 1 and len(todo) > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            outcomes = list(pool.map(_transfer_one, *zip(*todo)))
+    else:
+        outcomes = [_transfer_one(*step) for step in todo]
+    for status, line in outcomes:
+        say(f"transfer: FAILED {line}" if status == "failed" else f"transfer: {line}")
+    return int(any(status == "failed" for status, _ in outcomes))
+
+
 def _check_same_model(lm, artifact: dict, name: str) -> None:
     stored = artifact["model"]
     dtype = str(lm.dtype).removeprefix("torch.")
