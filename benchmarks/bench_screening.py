@@ -50,9 +50,12 @@ def _rho(method, x, y) -> float | None:
 
 
 def bench_task(lm, task: str, n_discovery: int, screens: list[str], keeps: list[int], p: int, k: int, measure_keep: int,
-               previous: dict, boundary: dict) -> dict:
-    # the cpu preset's items as the default model has them, whatever the model: the same items for every model
-    config = RunConfig.from_dict({"task": task, "preset": "cpu", "n_discovery": n_discovery})
+               previous: dict, boundary: dict, n_holdout: int | None = None) -> dict:
+    # the cpu preset's items as the default model has them, whatever the model: the same items for every model. Where
+    # discovery and holdout are drawn from one pool (BoolQ, HellaSwag: holdout first), the holdout's size fixes which
+    # items are discovery ones: --n-holdout reproduces a measurement made when the preset's holdout was another size
+    sizes = {"n_discovery": n_discovery, **({"n_holdout": n_holdout} if n_holdout else {})}
+    config = RunConfig.from_dict({"task": task, "preset": "cpu", **sizes})
     data = load_task_data(task, config.n_discovery, config.n_holdout, seed=config.seed, num_fewshot=config.num_fewshot,
                           data_dir=config.data_dir)
     evaluator = EngineEvaluator(lm, data.task, data.discovery, data.fewshot, progress=True, store=EvalStore())
@@ -70,7 +73,8 @@ def bench_task(lm, task: str, n_discovery: int, screens: list[str], keeps: list[
     gain = {s.heads[0]: s.gain for s in exact}
     margin = {h: float(np.mean(o.margin - full.margin)) for h, o in zip(heads, outcomes[1:])}
     frozen_exact = run_search(table, p=p, k=k).frozen
-    out = {"task": task, "model": lm.name, "n_discovery": len(data.discovery), "p": p, "k": k, "full_accuracy": full.accuracy,
+    out = {"task": task, "model": lm.name, "n_discovery": len(data.discovery), "n_holdout_drawn": len(data.holdout),
+           "p": p, "k": k, "full_accuracy": full.accuracy,
            "exact": {"top_p": [str(h) for h in exact_top], "frozen": [str(h) for h in frozen_exact],
                      "gains": {str(h): g for h, g in gain.items()},  # every head's exact discovery gain (points)
                      "ranking": [str(s.heads[0]) for s in exact[:max(keeps)]],  # the paper's key, best first
@@ -141,6 +145,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", nargs="+", default=["arithmetic_1dc", "boolq", "hellaswag"])
     parser.add_argument("--n-discovery", type=int, default=128)
+    parser.add_argument("--n-holdout", type=int, default=None,
+                        help="holdout size the items are drawn with (default: the cpu preset's); where both come from "
+                             "one pool it decides which items are discovery ones")
     parser.add_argument("--screens", nargs="+", default=list(SCREENS), choices=SCREENS)
     parser.add_argument("--keeps", nargs="+", type=int, default=[10, 20, 30, 50, 80])
     parser.add_argument("--measure-keep", type=int, default=30, help="m of the separately timed screened stage 1")
@@ -159,7 +166,7 @@ def main() -> None:
     for task in args.tasks:
         results.append(bench_task(lm, task, args.n_discovery, args.screens, args.keeps, args.p, args.k,
                                   args.measure_keep, previous.get(task, {}),
-                                  {"candidates": args.candidates, "items": args.items}))
+                                  {"candidates": args.candidates, "items": args.items}, args.n_holdout))
         done = {**previous, **{r["task"]: r for r in results}}
         atomic_write(out, json.dumps(list(done.values()), indent=1) + "\n")  # after every task: a stop loses little
         print(markdown(results, args.keeps), flush=True)

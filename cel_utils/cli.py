@@ -62,7 +62,8 @@ def _settings_arguments(parser: argparse.ArgumentParser, config_class: type = Ru
 
 
 def _execution_arguments(parser: argparse.ArgumentParser) -> None:
-    from cel_utils.grid import EXECUTORS, SlurmOptions
+    from cel_utils.grid import EXECUTORS
+    from cel_utils.grid.slurm import add_slurm_flags
 
     x = parser.add_argument_group("execution")
     x.add_argument("--executor", choices=EXECUTORS, default="local",
@@ -74,54 +75,19 @@ def _execution_arguments(parser: argparse.ArgumentParser) -> None:
                    help="skip cells whose artifact and page exist and were made with the same result-changing settings")
     x.add_argument("--notebook", default=None, help="the run notebook (default: notebooks/cel_run.ipynb)")
     x.add_argument("--submitit-dir", help="submitit's job folder, with each job's log (default: <results-dir>/submitit)")
-    d = SlurmOptions()
-    s = parser.add_argument_group(
-        "Slurm (with --executor slurm; a job that is preempted or reaches its time limit is requeued and resumes from "
-        "the evaluation store)")
-    s.add_argument("--slurm-partition", help="partition (default: the cluster's)")
-    s.add_argument("--slurm-account", help="account to charge (sbatch --account; default: yours)")
-    s.add_argument("--slurm-qos", help="quality of service (sbatch --qos)")
-    s.add_argument("--slurm-constraint", help="node features, e.g. a GPU type: 'a100|h100' (sbatch --constraint)")
-    s.add_argument("--slurm-gpus", type=int, help=f"GPUs per job (default {d.gpus_per_node}; 0: none requested)")
-    s.add_argument("--slurm-cpus", type=int, help=f"CPUs per job (default {d.cpus_per_task}; 0: the cluster's default)")
-    s.add_argument("--slurm-mem-gb", type=int, help=f"memory per job in GB (default {d.mem_gb}; 0: the cluster's default)")
-    s.add_argument("--slurm-time-min", type=int,
-                   help=f"time limit per job in minutes (default {d.timeout_min}); 90 s before it the job is requeued "
-                        "(at most 3 times) and its next start resumes")
-    s.add_argument("--slurm-setup", action="append", metavar="LINE",
-                   help="a shell line run in each job before the cell, e.g. 'module load cuda/12.1' (repeatable)")
-    s.add_argument("--slurm-array", type=int, metavar="N",
-                   help="submit the cells as one job array (cel-grid) running at most N at once (default: one job "
-                        "per cell, named cel-<model>-<task>-s<seed>)")
-    s.add_argument("--slurm-extra", action="append", metavar="KEY=VALUE",
-                   help="any other sbatch option, e.g. reservation=gpu-week or mail-type=END (repeatable)")
+    add_slurm_flags(parser)
 
 
 def _slurm_options(args):
     """The Slurm options the flags ask for; ValueError for flags that do not fit the executor or bad values."""
-    import shutil
+    from cel_utils.grid.slurm import slurm_options_from_flags
 
-    from cel_utils.grid import SlurmOptions
-    from cel_utils.grid.slurm import parse_extra
-
-    given = [f"--{name.replace('_', '-')}" for name, value in vars(args).items()
-             if name.startswith("slurm_") and value is not None]
-    if given and args.executor != "slurm":
-        raise ValueError(f"{' '.join(given)} only apply to --executor slurm (this run: --executor {args.executor})")
     if args.jobs != 1 and args.executor != "local":
         raise ValueError(f"--jobs is for --executor local; with --executor {args.executor} every cell is its own job "
                          "(cap how many run at once with --slurm-array N)")
     if args.submitit_dir and args.executor == "local":
         raise ValueError("--submitit-dir is for --executor submitit-local or slurm")
-    if args.executor == "slurm" and shutil.which("sbatch") is None:
-        raise ValueError("--executor slurm submits with sbatch, which is not on PATH: run on a Slurm login node "
-                         "(scripts/slurm-cluster.sh start brings up a one-node test cluster on this machine)")
-    sizes = {"gpus_per_node": args.slurm_gpus, "cpus_per_task": args.slurm_cpus, "mem_gb": args.slurm_mem_gb,
-             "timeout_min": args.slurm_time_min}
-    return SlurmOptions(partition=args.slurm_partition, account=args.slurm_account, qos=args.slurm_qos,
-                        constraint=args.slurm_constraint, setup=args.slurm_setup or [],
-                        array_parallelism=args.slurm_array, extra=parse_extra(args.slurm_extra or []),
-                        **{name: value for name, value in sizes.items() if value is not None}).validate()
+    return slurm_options_from_flags(args)
 
 
 def _grid_arguments(parser: argparse.ArgumentParser) -> None:

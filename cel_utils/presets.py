@@ -67,7 +67,8 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 MODEL_PRESETS: dict[str, dict[str, dict[str, dict[str, Any]]]] = {
     "cpu": {
         "gemma3-270m": {
-            "boolq": dict(n_discovery=64, n_holdout=500, screen="boundary", screen_candidates=30, screen_keep=10),
+            "boolq": dict(n_discovery=64, n_holdout=500, screen="boundary", screen_candidates=30, screen_items=12,
+                          screen_keep=10),
             "hellaswag": dict(n_discovery=32, n_holdout=100, screen_keep=6, transfer_items=50),
             "arithmetic": dict(screen_candidates=30),  # the boundary screen's exact pass over 30 of the 72 heads
             "mbpp": dict(n_discovery=12, n_holdout=40, transfer_items=15),

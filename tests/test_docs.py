@@ -15,24 +15,26 @@ SPEED = REPO / "book" / "speed.md"
 DOCS = (README, SPEED)
 
 
-def test_speed_page_cpu_table_matches_the_cpu_preset():
+def test_speed_page_cpu_tables_match_the_cpu_preset_for_each_book_model():
     from cel_utils.book.facts import random_sets_text
-    from cel_utils.config import RunConfig, default_tasks
+    from cel_utils.config import BOOK_MODELS, RunConfig, default_tasks
     from cel_utils.tasks.specs import get_task
 
     page = SPEED.read_text()
     rows = [line.strip("|").split("|") for line in page.splitlines()
             if line.startswith("| ") and line.split("|")[1].strip() in default_tasks("cpu")]
-    assert [row[0].strip() for row in rows] == list(default_tasks("cpu"))
-    for task, *cells in rows:
-        c = RunConfig.from_dict({"task": task.strip(), "preset": "cpu"})
+    tasks = list(default_tasks("cpu"))
+    # one table per book model, in BOOK_MODELS' order, each listing the default tasks
+    assert [row[0].strip() for row in rows] == tasks * len(BOOK_MODELS)
+    for i, (task, *cells) in enumerate(rows):
+        c = RunConfig.from_dict({"task": task.strip(), "preset": "cpu", "model": BOOK_MODELS[i // len(tasks)]})
         fewshot = c.num_fewshot if c.num_fewshot is not None else get_task(c.task).default_fewshot
         expected = [fewshot, c.n_discovery, c.n_holdout, c.screen if c.stage1 == "screened" else "exact",
                     c.screen_keep if c.stage1 == "screened" else "all", c.p, c.k,
                     random_sets_text(c),
                     c.n_resamples,
                     c.max_new_tokens if c.task == "mbpp" else "-"]
-        assert [cell.strip() for cell in cells] == [str(value) for value in expected], task
+        assert [cell.strip() for cell in cells] == [str(value) for value in expected], (c.model, task)
 
 
 def code_block_commands(path: Path) -> list[list[str]]:

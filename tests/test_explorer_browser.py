@@ -7,7 +7,6 @@ Like the book's browser tests, a missing Chromium or Playwright fails under CI a
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -16,25 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from browser import browser_or_unavailable
 
 REPO = Path(__file__).resolve().parents[1]
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 APP = {"CEL_EXPLORE_MODEL": "random:llama:tiny", "CEL_EXPLORE_TASK": "hellaswag", "CEL_EXPLORE_SEED": "0",
        "CEL_EXPLORE_PRESET": "smoke"}
 ITEM, HEAD = 0, "L1.H2"  # the holdout item the app opens on, and the head the test switches off
 TIMEOUT_MS = 120_000  # the kernel starts, loads the model and scores the first item before the widgets show
-
-
-def in_ci(env=None) -> bool:
-    """As tests/browser.py: CI services set CI (GitHub: "true")."""
-    value = (os.environ if env is None else env).get("CI", "")
-    return value.lower() not in ("", "0", "false", "no")
-
-
-def unavailable(reason: str):
-    if in_ci():
-        pytest.fail(f"{reason}; CI must run the explorer's browser test (install chromium: `make browser`)")
-    pytest.skip(reason)
 
 
 def free_port() -> int:
@@ -74,19 +61,8 @@ def app(data_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser():
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        unavailable("playwright is not installed (pip install -e .)")
-    if CHROMIUM is None:
-        unavailable("no Chromium on this machine")
-    with sync_playwright() as p:
-        try:
-            chromium = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
-        except Exception as error:  # noqa: BLE001 - any launch failure means: no browser here
-            unavailable(f"Chromium did not start: {error}")
+    with browser_or_unavailable() as chromium:  # tests/browser.py: fails under CI, skips elsewhere
         yield chromium
-        chromium.close()
 
 
 def shown(page, which: str) -> list[float]:

@@ -19,6 +19,7 @@ from cel_utils.models import loading
 from cel_utils.models.ablation import ablated, zero_heads_in_weights
 from cel_utils.models.heads import HeadId
 from cel_utils.models.plumbing import attention_output_projections, attention_windows
+from cel_utils.paths import cache_dir
 from cel_utils.tasks.prompts import resolve_bos
 from cel_utils.tasks.splits import load_task_data
 
@@ -62,7 +63,7 @@ def test_the_spec_is_gemma_3_270m_dequantized_once_into_the_cache(gemma_model):
     assert attention_windows(lm.model) == {"full_attention": None, "sliding_attention": 512}
     assert lm.model.get_output_embeddings().weight is lm.model.get_input_embeddings().weight  # tied
     assert lm.source["kind"] == "embedded-gguf" and lm.source["sha256"] == package.EXPECTED_SHA256
-    checkpoint = loading.cache_dir() / "models" / f"gemma-3-270m-q4_k_m-{package.EXPECTED_SHA256[:16]}"
+    checkpoint = cache_dir() / "models" / f"gemma-3-270m-q4_k_m-{package.EXPECTED_SHA256[:16]}"
     assert (checkpoint / "model.safetensors").is_file() and "quantization_config" not in (checkpoint / "config.json").read_text()
     tokenizer = lm.tokenizer
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (2, 1, 0)

@@ -261,7 +261,7 @@ def test_the_book_draws_with_a_seed_no_preset_decision_saw_and_its_page_says_so(
     artifact = make_artifact(task="boolq", full=0.4, ablated=0.42, n_items=500)
     artifact["config"]["seed"] = BOOK_SEED
     page = results_page.results_markdown([artifact], [])
-    assert f"draws its items with seed {BOOK_SEED}, which no preset decision has seen" in page
+    assert f"draws its items with seed {BOOK_SEED}, which no screen or *m* decision has seen" in page
     assert "after an earlier main job had scored" not in page  # the seed-0 caveat is for seed-0 runs only
 
 

@@ -163,7 +163,8 @@ def hour_note(artifacts: list[dict], transfers: list[dict]) -> list[str]:
                      f"{paper.n_discovery or d:,} / {paper.n_holdout or h:,} (or as many as the data hold)",
                      f"{_stage1(c)}, p = {c['p']}, k = {c['k']}",
                      f"{_stage1({'stage1': paper.stage1})}, p = {paper.p}, k = {paper.k}",
-                     f"{c.get('n_random_sets', '?')}" + (f" on {c['null_items']} items" if c.get("null_items") else "")
+                     f"{c.get('n_random_sets', '?')}"
+                     + (f" on {c['null_items']} items" if c.get("null_items") and c.get("n_random_sets") else "")
                      + f", {c.get('n_resamples', '?')} resamples",
                      f"{paper.n_random_sets}, {paper.n_resamples} resamples",
                      f"{sub[0]['n_items']} of {sub[0]['n_holdout']}" if sub else "none"])
@@ -171,8 +172,8 @@ def hour_note(artifacts: list[dict], transfers: list[dict]) -> list[str]:
         return []
     return ["```{admonition} What the CPU hour left out, and what --preset paper on a GPU adds", ":class: note",
             "On two CPU cores the main job runs the `cpu` preset: small discovery and holdout sets, a screened stage 1 "
-            "(a cheap screen picks the *m* heads evaluated exactly), a small pool and budget, a few random sets and "
-            "resamples, and the transfer matrix on a subset of each holdout. `python -m cel_utils main --preset paper` "
+            "(a cheap screen picks the *m* heads evaluated exactly), a small pool and budget, few or no random sets "
+            "and stability resamples, and the transfer matrix on a subset of each holdout. `python -m cel_utils main --preset paper` "
             "on a GPU runs the paper's protocol instead: Table 3's sizes, exact stage 1 over every head, p = 10, "
             "k = 3, the full random-set null and stability resamples, and every transfer cell on the whole holdout; "
             "the smaller intervals would then show what the `cpu` runs cannot resolve. Per run:", "",

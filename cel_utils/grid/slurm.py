@@ -10,6 +10,8 @@ time limit or at preemption): the job is requeued and its next start resumes fro
 """
 from __future__ import annotations
 
+import argparse
+import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,3 +90,46 @@ def submitit_parameters(options: SlurmOptions, cluster: str) -> dict[str, Any]:
     # --export=ALL: the job sees the submitting shell's environment (CEL_*, HF_HOME) even where a site exports none
     params["slurm_additional_parameters"] = {"requeue": True, "export": "ALL", **options.extra}
     return params
+
+
+def add_slurm_flags(parser: argparse.ArgumentParser) -> None:
+    """The ``--slurm-*`` flags of ``cel grid`` and ``cel main``, one per :class:`SlurmOptions` field."""
+    d = SlurmOptions()
+    s = parser.add_argument_group(
+        "Slurm (with --executor slurm; a job that is preempted or reaches its time limit is requeued and resumes from "
+        "the evaluation store)")
+    s.add_argument("--slurm-partition", help="partition (default: the cluster's)")
+    s.add_argument("--slurm-account", help="account to charge (sbatch --account; default: yours)")
+    s.add_argument("--slurm-qos", help="quality of service (sbatch --qos)")
+    s.add_argument("--slurm-constraint", help="node features, e.g. a GPU type: 'a100|h100' (sbatch --constraint)")
+    s.add_argument("--slurm-gpus", type=int, help=f"GPUs per job (default {d.gpus_per_node}; 0: none requested)")
+    s.add_argument("--slurm-cpus", type=int, help=f"CPUs per job (default {d.cpus_per_task}; 0: the cluster's default)")
+    s.add_argument("--slurm-mem-gb", type=int, help=f"memory per job in GB (default {d.mem_gb}; 0: the cluster's default)")
+    s.add_argument("--slurm-time-min", type=int,
+                   help=f"time limit per job in minutes (default {d.timeout_min}); 90 s before it the job is requeued "
+                        "(at most 3 times) and its next start resumes")
+    s.add_argument("--slurm-setup", action="append", metavar="LINE",
+                   help="a shell line run in each job before the cell, e.g. 'module load cuda/12.1' (repeatable)")
+    s.add_argument("--slurm-array", type=int, metavar="N",
+                   help="submit the cells as one job array (cel-grid) running at most N at once (default: one job "
+                        "per cell, named cel-<model>-<task>-s<seed>)")
+    s.add_argument("--slurm-extra", action="append", metavar="KEY=VALUE",
+                   help="any other sbatch option, e.g. reservation=gpu-week or mail-type=END (repeatable)")
+
+
+def slurm_options_from_flags(args: argparse.Namespace) -> SlurmOptions:
+    """The options the ``--slurm-*`` flags ask for; ValueError for flags given with another executor, a missing
+    sbatch, or bad values."""
+    given = [f"--{name.replace('_', '-')}" for name, value in vars(args).items()
+             if name.startswith("slurm_") and value is not None]
+    if given and args.executor != "slurm":
+        raise ValueError(f"{' '.join(given)} only apply to --executor slurm (this run: --executor {args.executor})")
+    if args.executor == "slurm" and shutil.which("sbatch") is None:
+        raise ValueError("--executor slurm submits with sbatch, which is not on PATH: run on a Slurm login node "
+                         "(scripts/slurm-cluster.sh start brings up a one-node test cluster on this machine)")
+    sizes = {"gpus_per_node": args.slurm_gpus, "cpus_per_task": args.slurm_cpus, "mem_gb": args.slurm_mem_gb,
+             "timeout_min": args.slurm_time_min}
+    return SlurmOptions(partition=args.slurm_partition, account=args.slurm_account, qos=args.slurm_qos,
+                        constraint=args.slurm_constraint, setup=args.slurm_setup or [],
+                        array_parallelism=args.slurm_array, extra=parse_extra(args.slurm_extra or []),
+                        **{name: value for name, value in sizes.items() if value is not None}).validate()
