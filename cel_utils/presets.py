@@ -83,10 +83,10 @@ PRESET_TASKS = {"cpu": ("arithmetic_1dc", "boolq", "hellaswag", "mbpp"), "paper"
 
 
 # Minutes each cpu-preset run took in `make book`, two at a time, per model spec ("*": the default model's, the
-# estimate for a model never measured) and task family (book/speed.md, "The main job's time").
+# estimate for a model never measured) and task family (book/speed.md, "The main job's time": at 539fbae).
 # Only their order is used: the local pool starts the longest runs first (cel_utils.grid.executors.start_order).
-RUN_MINUTES = {"cpu": {"*": {"boolq": 30.0, "hellaswag": 25.7, "mbpp": 14.4, "arithmetic": 13.8},
-                       "gemma3-270m": {"boolq": 2.9, "hellaswag": 8.8, "mbpp": 9.2, "arithmetic": 10.5}}}
+RUN_MINUTES = {"cpu": {"*": {"boolq": 15.9, "hellaswag": 12.2, "mbpp": 10.2, "arithmetic": 6.5},
+                       "gemma3-270m": {"arithmetic": 10.5, "boolq": 9.5, "mbpp": 9.5, "hellaswag": 9.2}}}
 
 # What `cel main` (and so `make book`) runs when no models or seeds are named: the book's models, and the seed of its
 # draws (discovery, holdout, few-shot exemplars, the null's items, resamples). Every preset decision before it was made
