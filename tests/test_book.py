@@ -20,7 +20,7 @@ from browser import browser_or_unavailable, click_heatmap_cell, opened, unavaila
 
 from cel_utils.book.build import THEORY_NOTEBOOKS, BookPaths, execute_theory, toc_dict
 from cel_utils.cli import main, parser
-from cel_utils.config import BOOK_SEED, DEFAULT_MODEL, RunConfig
+from cel_utils.config import BOOK_MODELS, BOOK_SEED, DEFAULT_MODEL, RunConfig
 from cel_utils.models.heads import parse_head
 from cel_utils.pipeline.artifacts import read_artifact
 
@@ -102,9 +102,11 @@ def test_prose_numbers_come_from_the_data_and_the_code(built):
     facts = book_facts(REPO)
     intro = text_of((built / "book" / "intro.html").read_text())
     assert f"from {facts['paper_best_full']}% to {facts['paper_best_ablated']}%" in intro and "{{" not in intro
-    for preset in ("paper", "cpu"):  # `main` with no model named, on a GPU and on a CPU: the model the intro names
-        assert parser().parse_args(["main", "--preset", preset]).models == [DEFAULT_MODEL]
-    assert f"by default on one model small enough for a laptop, {DEFAULT_MODEL} " in intro.lower()
+    for preset in ("paper", "cpu"):  # `main` with no model named, on a GPU and on a CPU: the models the intro names
+        assert parser().parse_args(["main", "--preset", preset]).models == list(BOOK_MODELS)
+    assert BOOK_MODELS == (DEFAULT_MODEL, "gemma3-270m")
+    assert (f"by default on two models small enough for a laptop, from two families: {DEFAULT_MODEL} "
+            in intro.lower()) and " and gemma 3 270m (" in intro.lower()
     beyond = text_of((built / "book" / "beyond.html").read_text())
     assert f"the cpu preset {facts['cpu_random_sets']} random sets and {facts['cpu_resamples']} resamples" in beyond
     method = text_of((built / "book" / "method.html").read_text())
