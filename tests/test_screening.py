@@ -87,7 +87,7 @@ def _attribution_row_per_answer(evaluator, request) -> tuple[np.ndarray, float]:
             logits.append(unembed(lm.model, hidden[n - 1:n - 1 + len(answer)]).float())
     value = margin(evaluator.task, request, logits)
     value.backward()
-    return -gates.grad.double().numpy(), float(value)
+    return -gates.grad.double().numpy(), float(value.detach())
 
 
 @pytest.mark.parametrize("task", ["boolq", "hellaswag"])
