@@ -10,7 +10,7 @@ from html import escape
 
 import numpy as np
 
-from cel_utils.book.text import p_text, pct, transition_text
+from cel_utils.book.text import clip, p_text, pct, transition_text
 from cel_utils.explore.session import ItemView, Score, option_scores
 from cel_utils.models.heads import format_heads
 from cel_utils.tasks.scoring import Outcome
@@ -33,10 +33,6 @@ STYLE = """<style>
 
 def _verdict(correct: bool) -> str:
     return '<span class="ok">right</span>' if correct else '<span class="bad">wrong</span>'
-
-
-def _clip(text: str) -> str:
-    return text if len(text) <= PROMPT_CHARS else "..." + text[-PROMPT_CHARS:]
 
 
 def option_chart(view: ItemView, outcome: Outcome, which: str) -> str:
@@ -92,7 +88,7 @@ def item_html(view: ItemView) -> str:
     else:
         flip = f"switching off {escape(format_heads(view.heads))} does not flip this item"
     return (f'{STYLE}<div class="cel-x cel-item"><b>{escape(view.label)}</b>'
-            f'<div class="prompt">{escape(_clip(view.prompt))}</div>'
+            f'<div class="prompt">{escape(clip(view.prompt, PROMPT_CHARS, tail=True))}</div>'
             f'<div>right answer: <b class="cel-gold">{escape(_short(view.gold, 400))}</b></div>'
             f'<div class="flip">{flip}</div>'
             f'<div class="cols">{_column(view, "full")}{_column(view, "ablated")}</div></div>')

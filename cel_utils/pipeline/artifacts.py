@@ -85,5 +85,10 @@ def load_artifacts(results_dir: Path) -> list[dict]:
     return [read_artifact(path) for path in sorted(Path(results_dir).glob("*.json"))]
 
 
+def bits(values) -> list[int]:
+    """A boolean (or integer) vector as JSON's list of ints: how artifacts store per-item outcomes."""
+    return [int(v) for v in values]
+
+
 def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")

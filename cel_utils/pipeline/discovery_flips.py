@@ -16,13 +16,9 @@ from __future__ import annotations
 from cel_utils.evaluation.kinds import kind_of
 from cel_utils.evaluation.outcomes import OutcomeTable
 from cel_utils.models.heads import format_heads
-from cel_utils.pipeline.examples import PROMPT_CHARS
+from cel_utils.pipeline.examples import prompt_end
 from cel_utils.search.algorithm import SearchResult
 from cel_utils.tasks.splits import TaskData
-
-
-def _prompt_end(prompt: str) -> str:
-    return prompt if len(prompt) <= PROMPT_CHARS else "..." + prompt[-PROMPT_CHARS:]
 
 
 def discovery_flips(data: TaskData, table: OutcomeTable, search: SearchResult) -> dict:
@@ -41,7 +37,7 @@ def discovery_flips(data: TaskData, table: OutcomeTable, search: SearchResult) -
     def flip(i: int, prediction) -> int | None:
         if i not in items:
             doc = data.discovery[i].doc
-            items[i] = {"item": data.discovery[i].id, "prompt_end": _prompt_end(task.doc_to_text(doc)),
+            items[i] = {"item": data.discovery[i].id, "prompt_end": prompt_end(task.doc_to_text(doc)),
                         "gold": kind.show_gold(task, doc), "answers": [] if kind.predicts else None, "full": None}
             if kind.predicts:
                 items[i]["full"] = shown_at(i, full.predictions[i])

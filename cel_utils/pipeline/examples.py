@@ -16,6 +16,11 @@ from cel_utils.tasks.splits import TaskData
 PROMPT_CHARS = 300  # the end of the prompt a page shows
 
 
+def prompt_end(prompt: str) -> str:
+    """The end of a prompt as a page shows it: the whole prompt, or its last PROMPT_CHARS characters after "..."."""
+    return prompt if len(prompt) <= PROMPT_CHARS else "..." + prompt[-PROMPT_CHARS:]
+
+
 def flips(full, ablated) -> dict[str, np.ndarray]:
     """Indices of items that went wrong -> right (help) and right -> wrong (harm) under the ablation."""
     return {"wrong_to_right": np.flatnonzero(~full.correct & ablated.correct),
@@ -57,7 +62,7 @@ def flip_examples(lm: LoadedModel, data: TaskData, holdout: HoldoutResult, *, fm
         doc = data.holdout[i].doc
         prompt = task.doc_to_text(doc)
         out.append({"direction": direction, "item": data.holdout[i].id,
-                    "prompt_end": prompt if len(prompt) <= PROMPT_CHARS else "..." + prompt[-PROMPT_CHARS:],
+                    "prompt_end": prompt_end(prompt),
                     "gold": kind.show_gold(task, doc), "full": kind.show(task, doc, answers["full"][i]),
                     "ablated": kind.show(task, doc, answers["ablated"][i])})
     return out

@@ -7,11 +7,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
-
-from cel_utils.config import RunConfig
 import torch
 
+from cel_utils.config import RunConfig
 from cel_utils.evaluation.evaluator import Evaluator, NaiveEvaluator
 from cel_utils.evaluation.guarded import Guard, GuardedEvaluator, bf16_model, resolve_precision
 from cel_utils.evaluation.outcomes import OutcomeTable
@@ -19,7 +17,7 @@ from cel_utils.evaluation.sandbox import isolation_report
 from cel_utils.evaluation.store import EvalStore
 from cel_utils.models.heads import HeadGeometry, format_heads
 from cel_utils.models.loading import LoadedModel, load_model, resolve_device
-from cel_utils.pipeline.artifacts import SCHEMA_VERSION, library_versions, run_info_path, utc_now, write_json
+from cel_utils.pipeline.artifacts import SCHEMA_VERSION, bits, library_versions, run_info_path, utc_now, write_json
 from cel_utils.pipeline.discovery_flips import discovery_flips
 from cel_utils.pipeline.examples import flip_examples
 from cel_utils.search.algorithm import HoldoutResult, SearchResult, check_search_params, evaluate_holdout, run_search
@@ -154,10 +152,6 @@ def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool | s
     return CelRun(config=config, lm=lm, data=data, search=search, holdout=holdout, artifact=path, timings=timings)
 
 
-def _bits(values: np.ndarray) -> list[int]:
-    return [int(v) for v in values]
-
-
 def build_artifact(config: RunConfig, lm: LoadedModel, data: TaskData, search: SearchResult, holdout: HoldoutResult,
                    reliability: dict | None = None, examples: list[dict] | None = None,
                    precision: dict | None = None, flips: dict | None = None) -> dict:
@@ -178,7 +172,7 @@ def build_artifact(config: RunConfig, lm: LoadedModel, data: TaskData, search: S
                  "metrics": list(data.task.all_metrics)},
         "data": data.provenance,
         "discovery": {"item_ids": [item.id for item in data.discovery],
-                      "full_accuracy": search.full.accuracy, "full_correct": _bits(search.full.correct),
+                      "full_accuracy": search.full.accuracy, "full_correct": bits(search.full.correct),
                       "full_metrics": search.full.metric_means()},
         "stage1": [s.to_json() for s in search.stage1],
         "stage1_method": search.stage1_json(),  # exact, or which screen and how many heads it passed on
@@ -189,9 +183,9 @@ def build_artifact(config: RunConfig, lm: LoadedModel, data: TaskData, search: S
         # cel_utils.pipeline.discovery_flips: the items each scored set flipped, listed on a click on the run page
         "discovery_flips": flips,
         "holdout": {**holdout.summary(), "item_ids": [item.id for item in data.holdout],
-                    "full_correct": _bits(holdout.full.correct), "ablated_correct": _bits(holdout.ablated.correct),
-                    "full_metric_vectors": {k: _bits(v) for k, v in holdout.full.metrics.items()},
-                    "ablated_metric_vectors": {k: _bits(v) for k, v in holdout.ablated.metrics.items()},
+                    "full_correct": bits(holdout.full.correct), "ablated_correct": bits(holdout.ablated.correct),
+                    "full_metric_vectors": {k: bits(v) for k, v in holdout.full.metrics.items()},
+                    "ablated_metric_vectors": {k: bits(v) for k, v in holdout.ablated.metrics.items()},
                     "full_predictions": holdout.full.predictions, "ablated_predictions": holdout.ablated.predictions,
                     "examples": examples or []},  # cel_utils.pipeline.examples: what the run page shows
         "n_interventions_evaluated": search.n_evaluated,

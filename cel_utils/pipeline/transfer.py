@@ -27,8 +27,8 @@ import numpy as np
 
 from cel_utils.config import TransferConfig, field_names, task_sort_key
 from cel_utils.models.heads import parse_head
-from cel_utils.pipeline.artifacts import (SCHEMA_VERSION, artifact_name, library_versions, read_artifact, run_info_path,
-                                          slug, utc_now, write_json)
+from cel_utils.pipeline.artifacts import (SCHEMA_VERSION, artifact_name, bits, library_versions, read_artifact,
+                                          run_info_path, slug, utc_now, write_json)
 from cel_utils.stats.power import discordant, power_json, verdict
 from cel_utils.stats.significance import CI_STREAM, paired_test
 
@@ -37,7 +37,8 @@ SUBDIR = TransferConfig.ARTIFACT_SUBDIR
 _TRANSFER_ITEMS_STREAM = 211  # the subset of a target's holdout is drawn from np.random.default_rng([seed, 211])
 # What a target's configuration may differ in from its run's: where things are and how fast they go, never its numbers.
 _MACHINE_SETTINGS = ("results_dir", "data_dir", "batch_size", "token_budget", "device_map", "cache")
-TRANSFER_SETTINGS = ("transfer_items", *_MACHINE_SETTINGS[1:])  # what `cel transfer` takes as flags
+_GIVABLE = ("transfer_items", *_MACHINE_SETTINGS)  # what a target's configuration may be given
+TRANSFER_SETTINGS = tuple(name for name in _GIVABLE if name != "results_dir")  # what `cel transfer` takes as flags
 
 
 def transfer_path(results_dir: str | Path, model_name: str, seed: int) -> Path:
@@ -80,21 +81,17 @@ def target_config(artifact: dict, given: Mapping | None = None) -> TransferConfi
     given = dict(given or {})
     stored = {name: value for name, value in artifact["config"].items() if name in field_names(TransferConfig)}
     differing = sorted(name for name, value in given.items()
-                       if name not in (*_MACHINE_SETTINGS, "transfer_items") and name in stored and stored[name] != value)
+                       if name not in _GIVABLE and name in stored and stored[name] != value)
     if differing:
         raise ValueError(f"{artifact['task']['name']}: {differing} differ(s) from the run's "
                          f"({', '.join(f'{n}={stored[n]!r}' for n in differing)}): the transfer scores the sets as the "
                          "run scored its full model; rerun the grid with those settings instead")
-    allowed = {name: value for name, value in given.items() if name in (*_MACHINE_SETTINGS, "transfer_items")}
+    allowed = {name: value for name, value in given.items() if name in _GIVABLE}
     return TransferConfig.from_dict({**stored, **allowed})
 
 
 def _digest(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def _bits(values) -> list[int]:
-    return [int(v) for v in values]
 
 
 @dataclass
@@ -114,11 +111,11 @@ def cell_json(source: str, target: str, heads: list[str], label: str, full_corre
     power = power_json(len(full), discordant(full, ablated))
     return {"source": source, "target": target, "diagonal": source == target, "heads": heads, "heads_label": label,
             "n_items": int(len(full)), "n_holdout": n_holdout,
-            "item_indices": None if indices is None else _bits(indices),  # None: the whole holdout
+            "item_indices": None if indices is None else bits(indices),  # None: the whole holdout
             "full_accuracy": float(full.mean()), "ablated_accuracy": float(ablated.mean()),
             "gain_points": test["gain_points"], "help": test["help"], "harm": test["harm"],
             "significance": test, "power": power, "verdict": verdict(test, power, calibration),
-            "full_correct": _bits(full), "ablated_correct": _bits(ablated)}
+            "full_correct": bits(full), "ablated_correct": bits(ablated)}
 
 
 def run_transfer(results_dir: str | Path, model: str, seed: int, tasks: Iterable[str] | None = None, *,
