@@ -5,8 +5,8 @@
 
 For each task, the same (item, intervention) pairs -- the full model, ``--heads`` single heads spread over the layers
 (0: all of them) and ``--pairs`` random pairs of heads -- are evaluated by the engine in fp32, in plain bf16 (a bfloat16
-copy of the model) and guarded (:mod:`cel_utils.evaluation.guarded`), without the store, one after the other in this
-process. It prints, per task: the decisions plain bf16 flips (against fp32, under the primary metric), the decisions
+copy of the model) and guarded (:mod:`cel_utils.evaluation.guarded`: its fast pass is fp32 below the ablated layers,
+bf16 in them), without the store, one after the other in this process. It prints, per task: the decisions plain bf16 flips (against fp32, under the primary metric), the decisions
 the guarded path flips (must be 0), the share of pairs the guard rechecked in fp32, its band and largest audited error,
 and the wall time of each (and the ratios fp32 / bf16 and fp32 / guarded). Timings are from one run on a shared
 machine: compare the ratios, not the seconds.
@@ -51,7 +51,7 @@ def bench_task(lm, task: str, n_items: int | None, n_heads: int, n_pairs: int) -
     times, outcomes = {}, {}
     guard = Guard(seed=config.seed)
     runs = {"fp32": lambda: make(lm), "bf16": lambda: make(bf16_model(lm)),
-            "guarded": lambda: GuardedEvaluator(make(lm), make(bf16_model(lm)), guard)}
+            "guarded": lambda: GuardedEvaluator(make(lm), make(lm, fast_lm=bf16_model(lm)), guard)}
     for name, build in runs.items():
         evaluator = build()
         start = time.perf_counter()
@@ -61,7 +61,7 @@ def bench_task(lm, task: str, n_items: int | None, n_heads: int, n_pairs: int) -
     return {"task": task, "fewshot": len(data.fewshot), "items": len(items), "interventions": len(interventions),
             "pairs": len(items) * len(interventions), "bf16_flips": _flips(outcomes["fp32"], outcomes["bf16"]),
             "guarded_flips": _flips(outcomes["fp32"], outcomes["guarded"]), "share_rechecked": record["share_rechecked"],
-            "band": record["band_per_unit_scale"], "largest_error": record["largest_error"],
+            "band": record["band"], "largest_error": record["largest_error"],
             "fell_back": record["fell_back_to_fp32"], **{f"{k}_s": v for k, v in times.items()}}
 
 

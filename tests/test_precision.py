@@ -103,7 +103,8 @@ def test_guarded_decides_as_fp32_on_the_default_model(default_model, data_dir, t
     make = functools.partial(EngineEvaluator, task=data.task, items=data.discovery, fewshot=data.fewshot, progress=False)
     exact = make(default_model).evaluate(interventions)
     guard = Guard(audit_pairs=8)
-    outcomes = GuardedEvaluator(make(default_model), make(bf16_model(default_model)), guard).evaluate(interventions)
+    fast = make(default_model, fast_lm=bf16_model(default_model))
+    outcomes = GuardedEvaluator(make(default_model), fast, guard).evaluate(interventions)
     _same_decisions(exact, outcomes)
     record = guard.to_json()
     assert record["pairs"] == len(interventions) * len(data.discovery) and not record["fell_back_to_fp32"]
@@ -119,21 +120,47 @@ def test_auto_is_guarded_only_where_bf16_is_native(monkeypatch):
         monkeypatch.setattr(hardware, "cpu_info", lambda flags=flags: {"model": "test", "flags": flags})
         assert resolve_precision("auto", "cpu") == expected
     assert resolve_precision("bf16", "cpu") == "bf16"
+    # with bf16 units: guarded for log-likelihood tasks, fp32 for decoding (where the guard rechecks nearly every row)
+    assert protocol.run_precision(RunConfig(task="boolq", precision="auto"), "cpu") == "guarded"
+    assert protocol.run_precision(RunConfig(task="mbpp", precision="auto"), "cpu") == "fp32"
+    assert protocol.run_precision(RunConfig(task="mbpp", precision="guarded"), "cpu") == "guarded"
     with pytest.raises(ValueError, match="choose from"):
         resolve_precision("fp16", "cpu")
     with pytest.raises(ValueError, match="dtype"):
         RunConfig(task="boolq", precision="guarded", dtype="bfloat16").validate()
 
 
-def test_bf16_numbers_are_never_served_as_fp32_ones(tiny_models, data_dir, tmp_path):
+@pytest.mark.parametrize("fast", ["bf16 copy", "fast pass"])
+def test_bf16_numbers_are_never_served_as_fp32_ones(tiny_models, data_dir, tmp_path, fast):
     lm = tiny_models["llama"]
     data = load_task_data("boolq", 6, 3, seed=0, data_dir=data_dir)
     store = EvalStore(tmp_path)
     interventions = _interventions(lm.geometry, 3)
-    EngineEvaluator(bf16_model(lm), data.task, data.discovery, progress=False, store=store).evaluate(interventions)
+    make = functools.partial(EngineEvaluator, task=data.task, items=data.discovery, progress=False, store=store)
+    (make(bf16_model(lm)) if fast == "bf16 copy" else make(lm, fast_lm=bf16_model(lm))).evaluate(interventions)
     assert store.read == 0 and store.computed > 0
-    EngineEvaluator(lm, data.task, data.discovery, progress=False, store=store).evaluate(interventions)
+    make(lm).evaluate(interventions)
     assert store.read == 0  # the fp32 evaluator found nothing of bf16's
-    EngineEvaluator(lm, data.task, data.discovery, progress=False, store=store).evaluate(interventions)
+    make(lm).evaluate(interventions)
     assert store.read > 0  # ... and its own records the second time
+
+
+@pytest.mark.parametrize("task, fewshot", [("hellaswag", 0), ("arithmetic_1dc", 3)])  # packed answers; a shared prefix
+def test_the_fast_pass_is_fp32_below_the_ablated_layers(tiny_models, data_dir, task, fewshot):
+    """The guarded precision's fast pass: the full model is fp32's own numbers, bit for bit; an ablated pair is bf16's
+    approximation of fp32 (close, and not the bits of either the fp32 model or the whole-model bf16 copy)."""
+    lm = tiny_models["llama"]
+    data = load_task_data(task, 6, 3, seed=0, num_fewshot=fewshot, data_dir=data_dir)
+    interventions = _interventions(lm.geometry, 3)
+    make = functools.partial(EngineEvaluator, task=data.task, items=data.discovery, fewshot=data.fewshot, progress=False)
+    fp32, copy16 = make(lm).continuation_stats(interventions), make(bf16_model(lm)).continuation_stats(interventions)
+    fast_evaluator = make(lm, fast_lm=bf16_model(lm))
+    assert fewshot == 0 or fast_evaluator.prefix, "the shared prefix's path is not exercised"
+    fast = fast_evaluator.continuation_stats(interventions)
+    for ours, theirs in zip(fast[0], fp32[0]):  # the full model
+        assert np.array_equal(ours.ll, theirs.ll) and np.array_equal(ours.greedy_margin, theirs.greedy_margin, equal_nan=True)
+    for u in range(1, len(interventions)):
+        ours, theirs, copied = (np.concatenate([s.ll for s in per[u]]) for per in (fast, fp32, copy16))
+        assert not np.array_equal(ours, theirs) and not np.array_equal(ours, copied)
+        assert np.allclose(ours, theirs, rtol=0.05, atol=0.05)
 

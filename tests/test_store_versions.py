@@ -10,9 +10,10 @@ from cel_utils.evaluation.store import source_sha256
 
 # store_kind -> sha256 of its store_sources (cel_utils.evaluation.store.source_sha256).
 RECORDED = {
-    "naive-1": "b03d7caa4e1882d7d058fb570b9010df31ceaa319e950607a5f4d7edf87ba260",
-    # engine-2 (issue 28: packed answers see a sliding window), with issue 27's pair recheck (stores nothing)
-    "engine-2": "7ef5d1b52d2828a005c09fd8c0d5265779400c1456dadf49c31ca1e9e4cdd89c",
+    # naive-1, with issue 27's top-2 gaps that generate reports when asked (the default path computes the same)
+    "naive-1": "5d5c483331465661d2601f1e7a946169ece75f152c6a0727e428b35dd1c94f4e",
+    # engine-2 (issue 28: packed answers see a sliding window), with issue 27's pair recheck and fast pass (fp32 unchanged)
+    "engine-2": "863f770527315ee9507d554ac41e365346d05a93145d3c72a1bb992d893ad6ec",
 }
 WHERE = {NaiveEvaluator: "store_kind in cel_utils/evaluation/evaluator.py",
          EngineEvaluator: "ENGINE_VERSION in cel_utils/evaluation/engine.py"}

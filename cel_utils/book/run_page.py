@@ -63,8 +63,8 @@ def precision_text(artifact: dict) -> str:
     if not audit:
         return text
     text += (f": bf16 with fp32's decisions; {audit['pairs']} pairs, {audit['share_rechecked'] or 0:.1%} rechecked in "
-             f"fp32 (band {audit['band_per_unit_scale']:.3g} = {audit['multiple']:g} x the largest audited error "
-             f"{audit['largest_error']:.3g}), {audit['audited']} audited outside the band, "
+             f"fp32 (band {audit['band']:.3g} = {audit['multiple']:g} x the largest audited error "
+             f"{audit['largest_error'] or 0:.3g}), {audit['audited']} audited outside the band, "
              f"{audit['bf16_decisions_caught']} bf16 decisions corrected")
     if audit.get("fell_back_to_fp32"):
         text += f"; FELL BACK TO FP32: {audit['fell_back_to_fp32']}"

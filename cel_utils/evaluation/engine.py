@@ -43,6 +43,7 @@ from cel_utils.evaluation.prefix import (MIN_SHARED_PREFIX, prefix_cache, prefix
                                         sliding_window)
 from cel_utils.models.ablation import ablated_rows, head_mask
 from cel_utils.models.heads import format_heads
+from cel_utils.models.loading import LoadedModel
 from cel_utils.models.plumbing import (attention_windows, attention_with_mask, base_model, capture_layer_outputs,
                                       start_at_layer, unembed)
 from cel_utils.tasks.scoring import ContinuationStats, Outcome, continuation_stats
@@ -75,8 +76,12 @@ class EngineEvaluator(Evaluator):
                      "cel_utils.evaluation.generation", "cel_utils.tasks.scoring", "cel_utils.models.ablation",
                      "cel_utils.models.plumbing")
 
-    def __init__(self, *args, token_budget: int | None = None, **kwargs):
+    def __init__(self, *args, token_budget: int | None = None, fast_lm: LoadedModel | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        # The guarded precision's fast pass (cel_utils.evaluation.guarded): the clean pass, the kept states and the
+        # unembedding stay on ``lm`` (float32), the stacked ablated layers run on ``fast_lm`` (its bfloat16 copy);
+        # decoding (MBPP) runs wholly on ``fast_lm``.
+        self.fast_lm = fast_lm
         self.token_budget = token_budget or default_token_budget(self.lm.device)
         self.budget_halvings: list[int] = []  # the token budgets an out-of-memory error made it fall back to
         if self.kind.loglikelihood:
@@ -107,6 +112,8 @@ class EngineEvaluator(Evaluator):
     def store_fields(self) -> dict:
         # The shortcut stores answer logits, not log-probabilities: a different quantity under the same name.
         fields = super().store_fields()
+        if self.fast_lm:  # numbers partly or wholly computed in another dtype: never served as the model's own
+            fields["fast_dtype"] = str(self.fast_lm.dtype).removeprefix("torch.")
         if not self.kind.loglikelihood:
             return fields
         # A prefix computed apart gives the same numbers up to float rounding, not to the bit: its own context.
@@ -184,16 +191,18 @@ class EngineEvaluator(Evaluator):
                         self._collect(per[index], batch, rows, clean)
                 else:
                     m = len(chunk)
+                    lm = self.fast_lm or self.lm
                     row_masks = torch.cat([masks[i].expand(len(batch), -1, -1) for i in chunk])
-                    state = kept[layer - 1].repeat(m, 1, 1) if layer > 0 else None
-                    states = (prefix_states(self.lm, self.prefix, None, torch.stack([masks[i] for i in chunk]), m)
-                              if self.prefix else None)
-                    with attention_with_mask(self.lm.model, attn), ablated_rows(self.lm.model, row_masks, self.lm.geometry), \
-                            start_at_layer(self.lm.model, layer, state):
-                        hidden = base_model(self.lm.model)(
-                            input_ids=ids.repeat(m, 1), attention_mask=repeat_mask(attn, m),
+                    state = kept[layer - 1].to(lm.dtype).repeat(m, 1, 1) if layer > 0 else None
+                    states = (prefix_states(self.lm, self.prefix, None, torch.stack([masks[i] for i in chunk]), m,
+                                            self.fast_lm) if self.prefix else None)
+                    chunk_attn = _in_dtype(attn, lm.dtype)
+                    with attention_with_mask(lm.model, chunk_attn), ablated_rows(lm.model, row_masks, lm.geometry), \
+                            start_at_layer(lm.model, layer, state):
+                        hidden = base_model(lm.model)(
+                            input_ids=ids.repeat(m, 1), attention_mask=repeat_mask(chunk_attn, m),
                             position_ids=None if positions is None else positions.repeat(m, 1),
-                            **self._prefix_kwargs(states, len(batch))).last_hidden_state
+                            **self._prefix_kwargs(states, len(batch), lm)).last_hidden_state.to(self.lm.dtype)
                     for j, index in enumerate(chunk):
                         self._collect(per[index], batch, rows, hidden[j * len(batch):(j + 1) * len(batch)])
                 if self.stored:
@@ -265,9 +274,9 @@ class EngineEvaluator(Evaluator):
         geometry = self.lm.geometry
         return 2 * geometry.n_layers * geometry.n_kv_heads * geometry.head_dim * len(self.prefix) * self.lm.dtype.itemsize
 
-    def _prefix_kwargs(self, states, repeats: int) -> dict:
+    def _prefix_kwargs(self, states, repeats: int, lm: LoadedModel | None = None) -> dict:
         """What a forward over the rows after the prefix needs: the prefix's keys and values, one per head set."""
-        return {"cache": prefix_cache(self.lm, states, repeats), "use_cache": True} if states else {}
+        return {"cache": prefix_cache(lm or self.lm, states, repeats), "use_cache": True} if states else {}
 
     def _fill(self, per: list, indices: list[int], batch: list[int], labels: list[str], stored: dict) -> None:
         for index in indices:
@@ -310,21 +319,29 @@ class EngineEvaluator(Evaluator):
 
     # Generation -------------------------------------------------------------------------------------------
 
+    def decoding_rows(self) -> int:
+        """The rows one call of :func:`~cel_utils.evaluation.generation.generate` decodes together.
+
+        A decoding step reads every weight once whatever the number of rows, so on a CPU it is bound by memory
+        bandwidth and wide steps are much cheaper per row (MBPP, 4 items x 8 heads on 2 cores: 2.5 s per row at 8 rows
+        per step, 1.85 s at 32). Rows are capped by their KV cache, which is small: a row holds its own tokens and the
+        ones it generates (the shared few-shot prefix is computed once per head set, see generation.generate), so a
+        call may hold 4x the forward token budget. Interventions are stacked by the typical row;
+        generation.MAX_PROMPT_PADDING keeps a rare long prompt from widening a whole batch."""
+        from cel_utils.evaluation.generation import shared_prefix_length
+
+        requests = self.requests
+        shared = shared_prefix_length([r.context for r in requests]) if len(requests) > 1 else 0
+        typical = int(np.median([len(r.context) for r in requests])) - shared + self.max_new_tokens
+        return max(self.batch_size, min(64, 4 * self.token_budget // max(1, typical)))
+
     def _evaluate_generation(self, interventions: list[Intervention], desc: str | None) -> list[Outcome]:
         """Interventions stacked as rows of one generation batch; stored whole chunks at a time, as the
         log-likelihood path does, so a resumed run decodes exactly the batches an uninterrupted one would."""
-        from cel_utils.evaluation.generation import generate, shared_prefix_length
+        from cel_utils.evaluation.generation import generate
 
         n = len(self.requests)
-        # A decoding step reads every weight once whatever the number of rows, so on a CPU it is bound by memory
-        # bandwidth and wide steps are much cheaper per row (MBPP, 4 items x 8 heads on 2 cores: 2.5 s per row
-        # at 8 rows per step, 1.85 s at 32). Rows are capped by their KV cache, which is small: a row holds its
-        # own tokens and the ones it generates (the shared few-shot prefix is computed once per head set, see
-        # generation.generate), so a call may hold 4x the forward token budget. Interventions are stacked by the
-        # typical row; generation.MAX_PROMPT_PADDING keeps a rare long prompt from widening a whole batch.
-        shared = shared_prefix_length([r.context for r in self.requests]) if n > 1 else 0
-        typical = int(np.median([len(r.context) for r in self.requests])) - shared + self.max_new_tokens
-        rows_per_call = max(self.batch_size, min(64, 4 * self.token_budget // max(1, typical)))
+        rows_per_call = self.decoding_rows()
         stack = max(1, rows_per_call // n)
         key = self.store_key(range(n)) if self.stored else None
         stored = self.stored.load_completions(key, n) if self.stored else {}
@@ -337,7 +354,7 @@ class EngineEvaluator(Evaluator):
             missing = [label for label in labels if label not in stored]
             if missing:
                 row_masks = torch.cat([head_mask(heads, self.lm.geometry).expand(n, -1, -1) for heads in chunk])
-                completions = generate(self.lm, self.requests * len(chunk), row_masks=row_masks,
+                completions = generate(self.fast_lm or self.lm, self.requests * len(chunk), row_masks=row_masks,
                                        batch_size=rows_per_call, max_new_tokens=self.max_new_tokens,
                                        token_budget=4 * self.token_budget)
                 new = {label: completions[j * n:(j + 1) * n] for j, label in enumerate(labels) if label in missing}
@@ -350,6 +367,13 @@ class EngineEvaluator(Evaluator):
                 outcomes.append(self.decide(stored[label]))
         progress.close()
         return outcomes
+
+
+def _in_dtype(mask, dtype: torch.dtype):
+    """An additive mask (or a dict of them, one per layer type) in ``dtype``."""
+    if isinstance(mask, dict):
+        return {kind: part.to(dtype) for kind, part in mask.items()}
+    return None if mask is None else mask.to(dtype)
 
 
 def default_token_budget(device: torch.device) -> int:

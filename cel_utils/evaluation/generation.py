@@ -13,9 +13,15 @@ layer on (below it they are the full model's), and copied to its rows of a preal
 then continues with its own tokens (padding sits between the prefix and the row's tokens, masked out, and
 positions continue from the prefix). Causal attention makes that the same computation as feeding each
 row's whole prompt.
+
+With ``gaps=True``, :func:`generate` also reports each row's decoding (:class:`Decoded`): its tokens and, per step, the
+gap between the top two logits, whose smallest is the row's *decoding margin*. The guarded precision
+(:mod:`cel_utils.evaluation.guarded_generation`) rechecks in fp32 the rows whose bf16 margin is small, and compares two
+precisions' gaps step by step to measure bf16's error.
 """
 from __future__ import annotations
 
+import dataclasses
 from contextlib import ExitStack, nullcontext
 from typing import Iterable
 
@@ -72,6 +78,20 @@ def _decoding_cache(lm: LoadedModel, n_rows: int, max_len: int, states=None):
     return cache
 
 
+@dataclasses.dataclass
+class Decoded:
+    """One row's greedy decoding: the answer tokens (through the stop) and, per step, the gap between the top two logits
+    (as :func:`~cel_utils.tasks.scoring.at_least_float32` gives them) at the step that chose each token."""
+
+    tokens: list[int]
+    gaps: list[float]
+
+    @property
+    def margin(self) -> float:
+        """The smallest gap over the steps the row decoded: how close its decoding came to choosing another token."""
+        return min(self.gaps, default=float("inf"))
+
+
 def cut_completion(text: str, stop: str | None) -> str:
     """The answer: generated text up to (not including) the stop string."""
     return text.split(stop, 1)[0] if stop else text
@@ -80,8 +100,9 @@ def cut_completion(text: str, stop: str | None) -> str:
 @torch.no_grad()
 def generate(lm: LoadedModel, requests: list[GenRequest], heads: Iterable[HeadId] = (), *,
              row_masks: torch.Tensor | None = None, batch_size: int = 8, max_new_tokens: int = 256,
-             token_budget: int | None = None) -> list[str]:
-    """Greedy completions (stop string removed), in request order.
+             token_budget: int | None = None, gaps: bool = False) -> list[str] | tuple[list[str], list[Decoded]]:
+    """Greedy completions (stop string removed), in request order; with ``gaps``, also each request's
+    :class:`Decoded` (the same completions, and one top-2 gap per step: no other work).
 
     ``row_masks`` (bool [len(requests), layers, heads]) gives each request its own ablation; otherwise
     ``heads`` applies to all. A batch holds at most ``batch_size`` rows and, with ``token_budget``, at most that
@@ -92,6 +113,7 @@ def generate(lm: LoadedModel, requests: list[GenRequest], heads: Iterable[HeadId
     common = shared_prefix_length([r.context for r in requests]) if len(requests) > 1 else 0
     own = [len(requests[i].context) - common for i in order]
     completions: list[str | None] = [None] * len(requests)
+    decoded: list[Decoded | None] = [None] * len(requests)
     stops = sorted({r.stop for r in requests if r.stop})
     window = sliding_window(lm)
     for start, stop in length_batches(own, batch_size, token_budget, MAX_PROMPT_PADDING, max_new_tokens):
@@ -111,17 +133,22 @@ def generate(lm: LoadedModel, requests: list[GenRequest], heads: Iterable[HeadId
             mask[row, width - (len(context) - n_prefix):] = 1
         states = prefix_states(lm, contexts[0][:n_prefix], heads, masks, len(batch)) if n_prefix else None
         cache = _decoding_cache(lm, len(batch), width + max_new_tokens, states)
+        step_gaps = [[] for _ in batch] if gaps else None
         answers = _greedy(lm, ids[:, n_prefix:], mask, cache, heads, masks, max_new_tokens=max_new_tokens,
-                          stop_ids=set(_stop_ids(lm)), stops=stops)
+                          stop_ids=set(_stop_ids(lm)), stops=stops, gaps=step_gaps)
         for row, i in enumerate(batch):
             completions[i] = cut_completion(tokenizer.decode(answers[row], skip_special_tokens=True), requests[i].stop)
-    return completions
+            if gaps:
+                decoded[i] = Decoded(answers[row], step_gaps[row])
+    return (completions, decoded) if gaps else completions
 
 
 def _greedy(lm: LoadedModel, ids: torch.Tensor, mask: torch.Tensor, cache, heads, masks: torch.Tensor | None, *,
-            max_new_tokens: int, stop_ids: set[int], stops: list[str]) -> list[list[int]]:
+            max_new_tokens: int, stop_ids: set[int], stops: list[str], gaps: list[list[float]] | None = None
+            ) -> list[list[int]]:
     """Each row's greedy answer tokens (through its stop token or string), decoding ``ids`` (the rows' tokens after
-    the prefix held in ``cache``; ``mask`` covers prefix and rows) one token per step.
+    the prefix held in ``cache``; ``mask`` covers prefix and rows) one token per step. Given ``gaps`` (one empty list
+    per row), each step appends to a decoding row's list the gap between its top two logits.
 
     A row that has stopped leaves the batch: once an eighth of the rows have stopped, the cache and the masks keep
     only the rows still decoding (``Cache.reorder_cache``, as beam search uses), so a step's cost follows the rows still
@@ -141,10 +168,16 @@ def _greedy(lm: LoadedModel, ids: torch.Tensor, mask: torch.Tensor, cache, heads
         for step in range(max_new_tokens):
             logits = lm.model(input_ids=ids.to(device), attention_mask=mask, position_ids=positions.to(device),
                               cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-            tokens = at_least_float32(logits).argmax(-1).tolist()
+            scores = at_least_float32(logits)
+            tokens = scores.argmax(-1).tolist()
+            if gaps is not None:
+                top = scores.topk(2, dim=-1).values
+                gap = (top[:, 0] - top[:, 1]).tolist()
             for slot, (row, token) in enumerate(zip(slots, tokens)):
                 if running[slot]:
                     answers[row].append(token)
+                    if gaps is not None:
+                        gaps[row].append(gap[slot])
                     running[slot] = token not in stop_ids and not any(s in decode(answers[row]) for s in stops)
             if not any(running) or step == max_new_tokens - 1:
                 break

@@ -1,8 +1,14 @@
 """bfloat16 at float32's word: compute in bf16, recompute in fp32 exactly the decisions bf16 could have got wrong.
 
 A decision can only flip where its margin is smaller than the rounding error. The guarded precision evaluates every
-(item, intervention) pair on a bf16 copy of the model and recomputes in fp32 (:meth:`EngineEvaluator.pair_stats`) the
-pairs whose bf16 *decision margin* lies inside a guard band that bounds bf16's error on that margin:
+(item, intervention) pair in a *fast pass* and recomputes in fp32 (:meth:`EngineEvaluator.pair_stats`) the pairs whose
+fast *decision margin* lies inside a guard band that bounds the fast pass's error on that margin. The fast pass
+(:class:`~cel_utils.evaluation.engine.EngineEvaluator` with ``fast_lm``) computes in bf16 only what costs: the clean
+pass, the residual states kept below each ablated layer and the unembedding are fp32's, and the stacked ablated layers
+run on a bf16 copy of the model (:func:`bf16_model`) from those states. So the full model's decisions are fp32's own,
+never rechecked, and the error is that of the ablated layers alone: on the default model (32 BoolQ items x 30 heads,
+24 HellaSwag items x 40 heads) the largest margin error fell from 0.27 to 0.19 (BoolQ) and 0.025 to 0.015 (HellaSwag)
+against a whole-model bf16 copy, and the share of pairs inside a 2x band from 23% to 20% and 44% to 30%. The margins:
 
 * multiple choice and BoolQ: the gap between the chosen answer's score and the runner-up's under the primary metric
   (HellaSwag's ``acc_norm``, BoolQ's ``acc``); its error is bounded by the spread of the answers' score errors (the
@@ -11,8 +17,8 @@ pairs whose bf16 *decision margin* lies inside a guard band that bounds bf16's e
   other), whose sign is the decision; its error is the difference of the two precisions' smallest margins.
 
 The band comes from evidence (:class:`Guard`): before bf16 is trusted, a random sample of pairs is computed in both
-precisions, and the band is ``multiple`` times the largest error seen, per unit of the item's *error scale*
-(:func:`error_scales`: what drives the error, so that a short answer is not given a long one's band). Every later call
+precisions, and the band is ``multiple`` times the largest error seen (one band per run: see :class:`Guard` for the
+predictors of the error that were tried and did not narrow it). Every later call
 audits a small random share of the pairs outside the band in both precisions too; any error larger than seen before
 widens the band for the rest of the run (and rechecks what the wider band takes in), and an audited decision that
 differs between the precisions, outside the band, means the evidence was wrong: that call and every later one are
@@ -21,10 +27,11 @@ computed in fp32 (the run *falls back*) and the artifact says so.
 What is exact and what is not. A guarded decision under the primary metric (``correct``, the chosen answer) equals
 fp32's (up to fp32's own float ties, which the fast engine and the naive path share). The numbers beside the decisions
 are not fp32's: a pair outside the band keeps bf16's margin and scores, and its secondary metric (HellaSwag's ``acc``,
-reported beside ``acc_norm``) is bf16's, approximate. The store keeps bf16 statistics under a bf16 context (its key has the dtype) and fp32's under
-fp32's, so neither is ever served as the other; guarded outcomes themselves are composed anew from those each call,
-and the rechecked pairs (stacked otherwise than the full product) are not stored. Generation (MBPP) is not guarded
-yet: under ``guarded`` it decodes in fp32.
+reported beside ``acc_norm``) is bf16's, approximate. The store keeps the fast pass's statistics under a context of
+their own (its key names the bf16 dtype of the ablated layers) and fp32's under fp32's, so neither is ever served as
+the other; guarded outcomes themselves are composed anew from those each call, and the rechecked pairs (stacked
+otherwise than the full product) are not stored. Generation (MBPP) is guarded by
+:mod:`cel_utils.evaluation.guarded_generation`, with the same :class:`Guard`.
 """
 from __future__ import annotations
 
@@ -32,12 +39,13 @@ import copy
 import dataclasses
 import warnings
 import weakref
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
 
 from cel_utils.evaluation.evaluator import Intervention
+from cel_utils.evaluation.guarded_generation import guarded_completions
 from cel_utils.models.heads import HeadId, format_heads
 from cel_utils.models.loading import LoadedModel
 from cel_utils.tasks.scoring import ContinuationStats, Outcome
@@ -114,29 +122,25 @@ def decision(kind: str, task, request, stats: ContinuationStats) -> tuple:
     return tuple(int(np.argmax(scores)) for scores in _choice_scores(task, request, stats))
 
 
-def error_scales(kind: str, requests: Sequence) -> np.ndarray:
-    """Per request, what bf16's error on its decision margin grows with, in units the band is stated in: 1, one band per
-    task (each run's guard sees one task).
-
-    Measured on the default model (32 items x 13 interventions per task, 3-shot arithmetic_1dc): scaling by the answer's
-    token count or the context's length did not narrow the band (the share of pairs inside a 2x band stayed 23-30%, or
-    grew), and scaling by each item's own full-model error made it grow (38-84%): the error is not an item's property
-    that one audited pair predicts. Kept as the place a better predictor goes."""
-    return np.ones(len(requests))
-
-
 # --- the guard -------------------------------------------------------------------------------------------------
+
+Pair = tuple[int, int]  # (intervention index, item index) within one call
+
 
 @dataclasses.dataclass
 class Guard:
-    """The evidence about bf16's error in one run, shared by the run's evaluators, and what it decided."""
+    """The evidence about bf16's error in one run, shared by the run's evaluators, and what it decided.
+
+    One band per run: each run's guard sees one task. Scaling the band by what might drive the error did not narrow it
+    on the default model: the answer's token count or the context's length (the share of pairs inside a 2x band stayed
+    23-30%, or grew), each item's own full-model error (38-84%), the number of layers computed in bf16 (HellaSwag, 24
+    items x 40 heads: 28% -> 26%); even each item's own largest error, known in advance, would leave 22%."""
 
     multiple: float = SAFETY_MULTIPLE
     audit_pairs: int = AUDIT_PAIRS
     audit_share: float = AUDIT_SHARE
     seed: int = 0
-    largest_ratio: float | None = None  # the largest error seen per unit of error scale; None before the audit
-    largest_error: float = 0.0
+    largest_error: float | None = None  # the largest margin error seen; None before the first audit
     pairs: int = 0  # (item, intervention) pairs decided under the guard
     rechecked: int = 0  # of them, inside the band: recomputed in fp32
     audited: int = 0  # of them, outside the band but computed in fp32 too, as evidence
@@ -149,33 +153,86 @@ class Guard:
         self.rng = np.random.default_rng(self.seed)
 
     @property
-    def band_ratio(self) -> float:
-        return self.multiple * (self.largest_ratio or 0.0)
+    def band(self) -> float:
+        return self.multiple * (self.largest_error or 0.0)
 
-    def see(self, error: float, scale: float) -> None:
-        self.largest_error = max(self.largest_error, error)
-        self.largest_ratio = max(self.largest_ratio or 0.0, error / scale)
+    def see(self, error: float) -> None:
+        self.largest_error = max(self.largest_error or 0.0, error)
+
+    def check(self, margins: np.ndarray, recheck: Callable[[list[Pair]], list[float]], differs: Callable[[Pair], bool],
+              exact_rows: Sequence[int] = ()) -> list[Pair]:
+        """One call's (intervention, item) pairs under the guard: audit, recheck inside the band, count.
+
+        ``margins[u, i]`` is the fast pass's decision margin; ``recheck(pairs)`` computes those pairs in fp32 (the caller
+        keeps the values, which replace the fast ones) and returns each one's margin error; ``differs(pair)`` says
+        whether a pair computed in fp32 was decided otherwise by the fast pass; ``exact_rows`` are interventions whose
+        fast numbers are fp32's own (neither audited nor rechecked). Returns the audited pairs outside the band that
+        were decided otherwise: if any, the evidence was wrong, the call must be fp32's (:meth:`fall_back`)."""
+        margins = np.array(margins, dtype=float)
+        margins[list(exact_rows)] = np.inf
+        done: set = set()
+
+        def compute(todo: list[Pair]) -> None:
+            todo = [pair for pair in todo if pair not in done]
+            for pair, error in zip(todo, recheck(todo)):
+                done.add(pair)
+                self.see(error)
+
+        if self.largest_error is None:  # the first audit: before bf16 is trusted
+            open_pairs = [(u, i) for u, i in np.ndindex(*margins.shape) if u not in exact_rows]
+            sample = self.rng.choice(len(open_pairs), min(len(open_pairs), self.audit_pairs), replace=False)
+            compute([open_pairs[j] for j in sorted(sample)])
+        outside = np.ones(margins.shape, bool)
+        audit: set = set()
+        while True:  # a larger error seen widens the band: recheck what it takes in, until it holds
+            inside = margins <= self.band
+            todo = [(int(u), int(i)) for u, i in zip(*np.nonzero(inside & outside))]
+            outside &= ~inside
+            candidates = [(int(u), int(i)) for u, i in zip(*np.nonzero(outside))
+                          if (u, i) not in done and u not in exact_rows]
+            picked = self.rng.random(len(candidates)) < self.audit_share if candidates else []
+            audit.update(pair for pair, chosen in zip(candidates, picked) if chosen)
+            before = self.band
+            compute(todo + sorted(audit))
+            if self.band <= before:
+                break
+        inside_pairs = [pair for pair in done if not outside[pair]]
+        outside_pairs = [pair for pair in done if outside[pair]]
+        self.pairs += margins.size
+        self.rechecked += len(inside_pairs)
+        self.audited += len(outside_pairs)
+        self.caught += sum(differs(pair) for pair in inside_pairs)
+        differing = sorted(pair for pair in outside_pairs if differs(pair))
+        self.differed += len(differing)
+        return differing
+
+    def fall_back(self, reason: str, pairs: int) -> None:
+        """The evidence was wrong: the call of ``pairs`` pairs and every later one are computed in fp32."""
+        self.fell_back = f"{reason}; the rest of the run is computed in fp32"
+        warnings.warn(self.fell_back, RuntimeWarning, stacklevel=4)  # at the caller of GuardedEvaluator.evaluate
+        self.pairs -= pairs  # this call is fp32's after all
+        self.fp32_pairs += pairs
 
     def to_json(self) -> dict:
-        return {"multiple": self.multiple, "band_per_unit_scale": self.band_ratio, "largest_error": self.largest_error,
-                "largest_error_per_unit_scale": self.largest_ratio, "initial_audit_pairs": self.audit_pairs,
-                "audit_share": self.audit_share, "pairs": self.pairs, "rechecked": self.rechecked,
-                "share_rechecked": self.rechecked / self.pairs if self.pairs else None, "audited": self.audited,
-                "bf16_decisions_caught": self.caught, "audited_decisions_differed": self.differed,
-                "fell_back_to_fp32": self.fell_back, "pairs_after_fall_back": self.fp32_pairs}
+        return {"multiple": self.multiple, "band": self.band, "largest_error": self.largest_error,
+                "initial_audit_pairs": self.audit_pairs, "audit_share": self.audit_share, "pairs": self.pairs,
+                "rechecked": self.rechecked, "share_rechecked": self.rechecked / self.pairs if self.pairs else None,
+                "audited": self.audited, "bf16_decisions_caught": self.caught,
+                "audited_decisions_differed": self.differed, "fell_back_to_fp32": self.fell_back,
+                "pairs_after_fall_back": self.fp32_pairs}
 
 
 class GuardedEvaluator:
     """An evaluator whose decisions are fp32's, computed mostly in bf16 (see the module docstring).
 
-    ``exact`` is an :class:`~cel_utils.evaluation.engine.EngineEvaluator` on the fp32 model, ``fast`` the same on its
-    bf16 copy (:func:`bf16_model`); attributes it does not define (``requests``, ``task``, ``lm``...) are ``exact``'s."""
+    ``exact`` is an :class:`~cel_utils.evaluation.engine.EngineEvaluator` on the fp32 model, ``fast`` its fast pass (the
+    same on the fp32 model with ``fast_lm=bf16_model(lm)``; any evaluator of the same items will do, e.g. one on the bf16
+    copy alone); attributes it does not define (``requests``, ``task``, ``lm``...) are ``exact``'s."""
 
     def __init__(self, exact, fast, guard: Guard):
         if exact.kind.name != fast.kind.name:
             raise ValueError("the guarded evaluator's two evaluators must score the same task")
         self.exact, self.fast, self.guard = exact, fast, guard
-        self.scales = error_scales(exact.kind.name, exact.requests)
 
     def __getattr__(self, name: str):
         if name in ("exact", "fast", "guard"):  # not yet set: do not recurse
@@ -185,13 +242,13 @@ class GuardedEvaluator:
     def evaluate(self, interventions: Iterable[Iterable[HeadId]], desc: str | None = None) -> list[Outcome]:
         interventions = self.exact._canonical(interventions)
         unique = list(dict.fromkeys(interventions))
-        if not self.exact.kind.loglikelihood:  # decoding is not guarded yet: fp32
-            outcomes = self.exact.evaluate(unique, desc)
-        elif self.guard.fell_back:
+        if self.guard.fell_back:
             outcomes = self.exact.evaluate(unique, desc)
             self.guard.fp32_pairs += len(unique) * len(self.exact.requests)
-        else:
+        elif self.exact.kind.loglikelihood:
             outcomes = self._guarded(unique, desc)
+        else:
+            outcomes = [self.exact.decide(c) for c in guarded_completions(self.exact, self.fast, self.guard, unique, desc)]
         found = dict(zip(unique, outcomes))
         return [found[heads] for heads in interventions]
 
@@ -199,54 +256,29 @@ class GuardedEvaluator:
         return self.evaluate([heads])[0]
 
     def _guarded(self, unique: list[Intervention], desc: str | None) -> list[Outcome]:
-        guard, kind, task, requests = self.guard, self.exact.kind.name, self.exact.task, self.exact.requests
+        kind, task, requests = self.exact.kind.name, self.exact.task, self.exact.requests
         n = len(requests)
         stats = self.fast.continuation_stats(unique, desc)
         margins = np.array([[decision_margin(kind, task, requests[i], s[i]) for i in range(n)] for s in stats])
-        pairs = [(u, i) for u in range(len(unique)) for i in range(n)]
-        exact: dict[tuple[int, int], ContinuationStats] = {}
+        exact: dict[Pair, ContinuationStats] = {}
 
-        def compute(todo: list[tuple[int, int]]) -> None:
-            todo = [pair for pair in todo if pair not in exact]
-            for pair, value in zip(todo, self.exact.pair_stats([(i, unique[u]) for u, i in todo])):
-                exact[pair] = value
-                guard.see(margin_error(kind, task, requests[pair[1]], stats[pair[0]][pair[1]], value), self.scales[pair[1]])
+        def recheck(pairs: list[Pair]) -> list[float]:
+            for (u, i), value in zip(pairs, self.exact.pair_stats([(i, unique[u]) for u, i in pairs])):
+                exact[u, i] = value
+            return [margin_error(kind, task, requests[i], stats[u][i], exact[u, i]) for u, i in pairs]
 
-        if guard.largest_ratio is None:  # the first audit: before bf16 is trusted
-            sample = guard.rng.choice(len(pairs), min(len(pairs), guard.audit_pairs), replace=False)
-            compute([pairs[j] for j in sorted(sample)])
-        outside = np.ones(margins.shape, bool)
-        audit: set = set()
-        while True:  # a larger error seen widens the band: recheck what it takes in, until it holds
-            inside = margins <= guard.band_ratio * self.scales[None, :]
-            todo = [(u, i) for u, i in zip(*np.nonzero(inside & outside))]
-            outside &= ~inside
-            candidates = [(u, i) for u, i in zip(*np.nonzero(outside)) if (u, i) not in exact]
-            picked = guard.rng.random(len(candidates)) < guard.audit_share if candidates else []
-            audit.update(pair for pair, chosen in zip(candidates, picked) if chosen)
-            before = guard.band_ratio
-            compute(todo + sorted(audit))
-            if guard.band_ratio <= before:
-                break
-        inside_pairs = [pair for pair in exact if not outside[pair]]
-        outside_pairs = [pair for pair in exact if outside[pair]]
-        differs = [pair for pair in outside_pairs if decision(kind, task, requests[pair[1]], stats[pair[0]][pair[1]])
-                   != decision(kind, task, requests[pair[1]], exact[pair])]
-        guard.pairs += len(pairs)
-        guard.rechecked += len(inside_pairs)
-        guard.audited += len(outside_pairs)
-        guard.caught += sum(decision(kind, task, requests[i], stats[u][i]) != decision(kind, task, requests[i], exact[u, i])
-                            for u, i in inside_pairs)
-        if differs:
-            guard.differed += len(differs)
-            u, i = differs[0]
-            guard.fell_back = (f"{self.exact.task.name}: an audited bf16 decision differed from fp32's outside the band "
-                               f"(item {requests[i].item_id}, {format_heads(unique[u])}, bf16 margin "
-                               f"{margins[u, i]:.4g}, band {guard.band_ratio * self.scales[i]:.4g}); the rest of the run "
-                               "is computed in fp32")
-            warnings.warn(guard.fell_back, RuntimeWarning, stacklevel=3)
-            guard.pairs -= len(pairs)  # this call is fp32's after all
-            guard.fp32_pairs += len(pairs)
+        def differs(pair: Pair) -> bool:
+            u, i = pair
+            return decision(kind, task, requests[i], stats[u][i]) != decision(kind, task, requests[i], exact[u, i])
+
+        # The fast pass's full model is fp32's own clean pass: exact, neither audited nor rechecked.
+        own = getattr(self.fast, "fast_lm", None) is not None and self.fast.lm is self.exact.lm
+        differing = self.guard.check(margins, recheck, differs, [u for u, heads in enumerate(unique) if own and not heads])
+        if differing:
+            u, i = differing[0]
+            self.guard.fall_back(f"{task.name}: an audited bf16 decision differed from fp32's outside the band (item "
+                                 f"{requests[i].item_id}, {format_heads(unique[u])}, bf16 margin {margins[u, i]:.4g}, "
+                                 f"band {self.guard.band:.4g})", margins.size)
             return self.exact.evaluate(unique, desc)
         merged = [[exact.get((u, i), stats[u][i]) for i in range(n)] for u in range(len(unique))]
         return [self.exact.decide(per) for per in merged]

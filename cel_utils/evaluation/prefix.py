@@ -36,12 +36,15 @@ def sliding_window(lm: LoadedModel) -> int | None:
     return getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
 
 
-def prefix_states(lm: LoadedModel, prefix: Sequence[int], heads, masks: torch.Tensor | None, n_rows: int):
+def prefix_states(lm: LoadedModel, prefix: Sequence[int], heads, masks: torch.Tensor | None, n_rows: int,
+                  fast_lm: LoadedModel | None = None):
     """Keys and values of ``prefix`` for every row: ``states[row][layer] = (keys, values)``.
 
     Computed once per distinct head set, and only from that set's lowest ablated layer on: below it the
     prefix's keys and values are the full model's, so one clean pass provides them and the residual stream
     that the ablated pass starts from (the engine's below-layer reuse, see :mod:`cel_utils.evaluation.engine`).
+    With ``fast_lm`` (the guarded precision's bfloat16 copy) the clean pass is ``lm``'s and the ablated passes
+    ``fast_lm``'s, and every state comes in ``fast_lm``'s dtype.
     """
     if masks is None:
         sets, index = head_mask(heads, lm.geometry)[None], torch.zeros(n_rows, dtype=torch.long)
@@ -59,13 +62,14 @@ def prefix_states(lm: LoadedModel, prefix: Sequence[int], heads, masks: torch.Te
     # Keep only the residual streams an ablated pass resumes from (as the engine does), not every layer's.
     with capture_layer_outputs(lm.model, {f - 1 for f in first if 0 < f < n_layers}) as kept:
         base(input_ids=ids, cache=clean, use_cache=True)
-    per_set = [[kv(clean, layer, 0) for layer in range(n_layers)] for _ in first]
+    fast = fast_lm or lm
+    per_set = [[tuple(t.to(fast.dtype) for t in kv(clean, layer, 0)) for layer in range(n_layers)] for _ in first]
     for start in sorted(set(first) - {n_layers}):
         group = [u for u, f in enumerate(first) if f == start]
-        cache = DynamicCache(config=lm.model.config)
-        state = kept[start - 1].expand(len(group), -1, -1) if start else None
-        with ablated_rows(lm.model, sets[group].to(lm.device), lm.geometry), start_at_layer(lm.model, start, state):
-            base(input_ids=ids.expand(len(group), -1), cache=cache, use_cache=True)
+        cache = DynamicCache(config=fast.model.config)
+        state = kept[start - 1].to(fast.dtype).expand(len(group), -1, -1) if start else None
+        with ablated_rows(fast.model, sets[group].to(lm.device), lm.geometry), start_at_layer(fast.model, start, state):
+            base_model(fast.model)(input_ids=ids.expand(len(group), -1), cache=cache, use_cache=True)
         for row, u in enumerate(group):
             per_set[u][start:] = [kv(cache, layer, row) for layer in range(start, n_layers)]
     return [per_set[u] for u in index.tolist()]

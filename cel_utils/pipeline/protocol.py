@@ -12,6 +12,7 @@ import torch
 from cel_utils.config import RunConfig
 from cel_utils.evaluation.evaluator import Evaluator, NaiveEvaluator
 from cel_utils.evaluation.guarded import Guard, GuardedEvaluator, bf16_model, resolve_precision
+from cel_utils.evaluation.kinds import kind_of
 from cel_utils.evaluation.outcomes import OutcomeTable
 from cel_utils.evaluation.sandbox import isolation_report
 from cel_utils.evaluation.store import EvalStore
@@ -25,6 +26,7 @@ from cel_utils.search.screening import run_screen
 from cel_utils.stats.calibration import calibration_baseline
 from cel_utils.stats.reliability import assess_run, null_item_indices
 from cel_utils.tasks.prompts import resolve_bos
+from cel_utils.tasks.specs import get_task
 from cel_utils.tasks.splits import TaskData, load_task_data
 
 
@@ -40,9 +42,14 @@ class CelRun:
 
 
 def run_precision(config: RunConfig, device) -> str:
-    """``config.precision`` as it resolves on ``device`` (``auto``: guarded with bf16 units and the fast engine)."""
+    """``config.precision`` as it resolves on ``device`` (``auto``: guarded with bf16 units and the fast engine, for
+    log-likelihood tasks: under guarded decoding MBPP rechecked every row in fp32 and took 1.2x fp32's time, see
+    cel_utils.evaluation.guarded_generation)."""
     precision = resolve_precision(config.precision, device)
-    return "fp32" if precision == "guarded" and config.precision == "auto" and config.engine != "fast" else precision
+    if precision == "guarded" and config.precision == "auto" and (
+            config.engine != "fast" or not kind_of(get_task(config.task)).loglikelihood):
+        return "fp32"
+    return precision
 
 
 def load_for(config: RunConfig) -> LoadedModel:
@@ -69,17 +76,18 @@ def make_evaluator(lm: LoadedModel, data: TaskData, items, config: RunConfig, pr
         raise ValueError(f"precision guarded needs the model in float32 (it makes its own bfloat16 copy), got "
                          f"{str(lm.dtype).removeprefix('torch.')}: load it with dtype float32, or use precision fp32")
 
-    def build(model: LoadedModel) -> Evaluator:
+    def build(model: LoadedModel, **engine_kwargs) -> Evaluator:
         if config.engine == "fast":
             from cel_utils.evaluation.engine import EngineEvaluator
 
-            return EngineEvaluator(model, data.task, items, data.fewshot, token_budget=config.token_budget, **kwargs)
+            return EngineEvaluator(model, data.task, items, data.fewshot, token_budget=config.token_budget, **kwargs,
+                                   **engine_kwargs)
         return NaiveEvaluator(model, data.task, items, data.fewshot, **kwargs)
 
     if precision == "bf16":
         return build(bf16_model(lm))
-    if precision == "guarded":
-        return GuardedEvaluator(build(lm), build(bf16_model(lm)), guard or Guard(seed=config.seed))
+    if precision == "guarded":  # its fast pass: fp32's clean pass and unembedding, bf16's ablated layers
+        return GuardedEvaluator(build(lm), build(lm, fast_lm=bf16_model(lm)), guard or Guard(seed=config.seed))
     return build(lm)
 
 
