@@ -76,7 +76,7 @@ def test_real_bf16_on_a_tiny_model_decides_as_fp32(tiny_mbpp):
     exact, _ = _evaluators(lm, lm, data, data.discovery, TINY_TOKENS)
     fast = EngineEvaluator(lm, data.task, data.discovery, data.fewshot, max_new_tokens=TINY_TOKENS, progress=False,
                            fast_lm=bf16_model(lm))
-    plain = stacked_completions(fast, interventions, lm=bf16_model(lm))
+    plain = stacked_completions(fast, interventions)
     assert plain != reference, "bf16 decodes every row as fp32 does: nothing to catch"  # ties of bf16's coarse logits
     guard = Guard(audit_pairs=6, audit_share=0.5)
     first = guarded_completions(exact, fast, guard, interventions)

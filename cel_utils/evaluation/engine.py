@@ -335,29 +335,39 @@ class EngineEvaluator(Evaluator):
         typical = int(np.median([len(r.context) for r in requests])) - shared + self.max_new_tokens
         return max(self.batch_size, min(64, 4 * self.token_budget // max(1, typical)))
 
-    def _evaluate_generation(self, interventions: list[Intervention], desc: str | None) -> list[Outcome]:
-        """Interventions stacked as rows of one generation batch; stored whole chunks at a time, as the
-        log-likelihood path does, so a resumed run decodes exactly the batches an uninterrupted one would."""
+    def decoding_chunks(self, interventions: Sequence[Intervention]) -> list[list[Intervention]]:
+        """The interventions decoded together, in one call of :meth:`decode_chunk` each."""
+        stack = max(1, self.decoding_rows() // len(self.requests))
+        return [list(interventions[s:s + stack]) for s in range(0, len(interventions), stack)]
+
+    def decode_chunk(self, chunk: Sequence[Intervention], gaps: bool = False) -> list[list]:
+        """Per intervention of ``chunk``, per request, its completion (with ``gaps``, the pair (completion,
+        :class:`~cel_utils.evaluation.generation.Decoded`)), every row decoded in one call of ``generate``."""
         from cel_utils.evaluation.generation import generate
 
         n = len(self.requests)
-        rows_per_call = self.decoding_rows()
-        stack = max(1, rows_per_call // n)
+        row_masks = torch.cat([head_mask(heads, self.lm.geometry).expand(n, -1, -1) for heads in chunk])
+        result = generate(self.fast_lm or self.lm, self.requests * len(chunk), row_masks=row_masks,
+                          batch_size=self.decoding_rows(), max_new_tokens=self.max_new_tokens,
+                          token_budget=4 * self.token_budget, gaps=gaps)
+        flat = list(zip(*result)) if gaps else result
+        return [flat[j * n:(j + 1) * n] for j in range(len(chunk))]
+
+    def _evaluate_generation(self, interventions: list[Intervention], desc: str | None) -> list[Outcome]:
+        """Interventions stacked as rows of one generation batch; stored whole chunks at a time, as the
+        log-likelihood path does, so a resumed run decodes exactly the batches an uninterrupted one would."""
+        n = len(self.requests)
         key = self.store_key(range(n)) if self.stored else None
         stored = self.stored.load_completions(key, n) if self.stored else {}
         outcomes: list[Outcome] = []
         progress = self.progress_bar(len(interventions), desc)
-        for chunk_start in range(0, len(interventions), stack):
-            chunk = interventions[chunk_start:chunk_start + stack]
+        for chunk in self.decoding_chunks(interventions):
             progress.update(len(chunk))
             labels = [format_heads(heads) for heads in chunk]
             missing = [label for label in labels if label not in stored]
             if missing:
-                row_masks = torch.cat([head_mask(heads, self.lm.geometry).expand(n, -1, -1) for heads in chunk])
-                completions = generate(self.fast_lm or self.lm, self.requests * len(chunk), row_masks=row_masks,
-                                       batch_size=rows_per_call, max_new_tokens=self.max_new_tokens,
-                                       token_budget=4 * self.token_budget)
-                new = {label: completions[j * n:(j + 1) * n] for j, label in enumerate(labels) if label in missing}
+                new = {label: completions for label, completions in zip(labels, self.decode_chunk(chunk))
+                       if label in missing}
                 if self.stored:
                     self.stored.save_completions(key, new)
                 stored.update(new)

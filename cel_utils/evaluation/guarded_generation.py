@@ -64,33 +64,17 @@ from cel_utils.models.heads import format_heads
 if TYPE_CHECKING:  # guarded.py imports this module: no import of it at run time
     from cel_utils.evaluation.engine import EngineEvaluator
     from cel_utils.evaluation.guarded import Guard
-    from cel_utils.models.loading import LoadedModel
-
-
-def decoding_model(evaluator: EngineEvaluator) -> LoadedModel:
-    """The model a guarded fast pass decodes with: its ``fast_lm`` (the bf16 copy beside fp32's ``lm``, as
-    :func:`cel_utils.pipeline.protocol.make_evaluator` builds the guarded precision's fast pass) if it has one, else its
-    ``lm`` (as the engine itself decodes)."""
-    return getattr(evaluator, "fast_lm", None) or evaluator.lm
 
 
 def stacked_completions(evaluator: EngineEvaluator, interventions: Sequence[Intervention], desc: str | None = None,
-                        *, gaps: bool = False, lm: LoadedModel | None = None) -> list[list]:
+                        *, gaps: bool = False) -> list[list]:
     """Per intervention, per request: the completion (with ``gaps``, a pair ``(completion, Decoded)``), the
-    interventions stacked as rows exactly as the engine stacks them (same chunks, same calls of :func:`generate`),
-    without the store; decoded with ``lm`` if given, else with the evaluator's own ``lm`` as the engine does."""
-    requests, geometry, lm = evaluator.requests, evaluator.lm.geometry, lm or evaluator.lm
-    n, rows = len(requests), evaluator.decoding_rows()
-    stack = max(1, rows // n)
+    interventions stacked as rows exactly as the engine stacks them (its chunks, its calls of :func:`generate`),
+    without the store."""
     out: list[list] = []
     progress = evaluator.progress_bar(len(interventions), desc)
-    for start in range(0, len(interventions), stack):
-        chunk = interventions[start:start + stack]
-        row_masks = torch.cat([head_mask(heads, geometry).expand(n, -1, -1) for heads in chunk])
-        result = generate(lm, requests * len(chunk), row_masks=row_masks, batch_size=rows,
-                          max_new_tokens=evaluator.max_new_tokens, token_budget=4 * evaluator.token_budget, gaps=gaps)
-        flat = list(zip(*result)) if gaps else result
-        out += [flat[j * n:(j + 1) * n] for j in range(len(chunk))]
+    for chunk in evaluator.decoding_chunks(interventions):
+        out += evaluator.decode_chunk(chunk, gaps=gaps)
         progress.update(len(chunk))
     progress.close()
     return out
@@ -126,7 +110,7 @@ def guarded_completions(exact: EngineEvaluator, fast: EngineEvaluator, guard: Gu
     """Per intervention, the completion of every request, as fp32 decodes them (see the module docstring).
 
     ``exact`` is an engine evaluator on the fp32 model; ``fast`` one of the same generation task and items that decodes
-    with the bf16 copy (:func:`decoding_model`: its ``fast_lm``, or its ``lm`` if it has none), stacked as ``fast``
+    with the bf16 copy (its ``fast_lm``, or its ``lm`` if it has none, as the engine decodes), stacked as ``fast``
     stacks; ``guard`` holds the run's evidence and counts what was decided how."""
     if exact.kind.loglikelihood or exact.kind.name != fast.kind.name:
         raise ValueError("guarded completions need two evaluators of the same generation task")
@@ -135,7 +119,7 @@ def guarded_completions(exact: EngineEvaluator, fast: EngineEvaluator, guard: Gu
     if guard.fell_back:
         guard.fp32_pairs += len(interventions) * n
         return stacked_completions(exact, interventions, desc)
-    low = stacked_completions(fast, interventions, desc, gaps=True, lm=decoding_model(fast))
+    low = stacked_completions(fast, interventions, desc, gaps=True)
     margins = np.array([[low[u][i][1].margin for i in range(n)] for u in range(len(interventions))]).reshape(-1, n)
     high: dict[tuple[int, int], tuple[str, Decoded]] = {}
 
