@@ -58,12 +58,12 @@ import torch
 
 from cel_utils.evaluation.evaluator import Intervention
 from cel_utils.evaluation.generation import Decoded, generate
+from cel_utils.evaluation.guard import Guard
 from cel_utils.models.ablation import head_mask
 from cel_utils.models.heads import format_heads
 
-if TYPE_CHECKING:  # guarded.py imports this module: no import of it at run time
+if TYPE_CHECKING:
     from cel_utils.evaluation.engine import EngineEvaluator
-    from cel_utils.evaluation.guarded import Guard
 
 
 def stacked_completions(evaluator: EngineEvaluator, interventions: Sequence[Intervention], desc: str | None = None,
