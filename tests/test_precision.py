@@ -120,8 +120,12 @@ def test_auto_is_guarded_only_where_bf16_is_native(monkeypatch):
         monkeypatch.setattr(hardware, "cpu_info", lambda flags=flags: {"model": "test", "flags": flags})
         assert resolve_precision("auto", "cpu") == expected
     assert resolve_precision("bf16", "cpu") == "bf16"
-    # with bf16 units: guarded for log-likelihood tasks, fp32 for decoding (where the guard rechecks nearly every row)
+    # with bf16 units: guarded for multiple choice; fp32 for arithmetic (guarded was slower there) and for decoding
+    # (where the guard rechecks nearly every row)
     assert protocol.run_precision(RunConfig(task="boolq", precision="auto"), "cpu") == "guarded"
+    assert protocol.run_precision(RunConfig(task="hellaswag", precision="auto"), "cpu") == "guarded"
+    assert protocol.run_precision(RunConfig(task="arithmetic_1dc", precision="auto"), "cpu") == "fp32"
+    assert protocol.run_precision(RunConfig(task="arithmetic_1dc", precision="guarded"), "cpu") == "guarded"
     assert protocol.run_precision(RunConfig(task="mbpp", precision="auto"), "cpu") == "fp32"
     assert protocol.run_precision(RunConfig(task="mbpp", precision="guarded"), "cpu") == "guarded"
     with pytest.raises(ValueError, match="choose from"):

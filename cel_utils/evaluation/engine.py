@@ -39,8 +39,8 @@ import torch
 from cel_utils.evaluation.batching import length_batches
 from cel_utils.evaluation.evaluator import Evaluator, Intervention
 from cel_utils.evaluation.layout import Row, after_prefix, layout, repeat_mask, row_inputs
-from cel_utils.evaluation.prefix import (MIN_SHARED_PREFIX, prefix_cache, prefix_states, shared_prefix_length,
-                                        sliding_window)
+from cel_utils.evaluation.prefix import (MIN_SHARED_PREFIX, clean_prefix, prefix_cache, prefix_states,
+                                        shared_prefix_length, sliding_window)
 from cel_utils.models.ablation import ablated_rows, head_mask
 from cel_utils.models.heads import format_heads
 from cel_utils.models.loading import LoadedModel
@@ -158,7 +158,8 @@ class EngineEvaluator(Evaluator):
         masks = {i: head_mask(interventions[i], self.lm.geometry) for i in range(len(interventions))}
         labels = [format_heads(heads) for heads in interventions]
         progress = self.progress_bar(len(self.batches) * len(interventions), desc)
-        clean_prefix = prefix_states(self.lm, self.prefix, (), None, 1) if self.prefix else None
+        prefix_pass = clean_prefix(self.lm, self.prefix) if self.prefix else None  # once per call, for every head set
+        clean_states = [prefix_pass.kv] if self.prefix else None
         for batch in self.batches:
             rows = [self.rows[i] for i in batch]
             stack = max(1, self.token_budget // (len(batch) * max(len(row.tokens) for row in rows)))
@@ -184,7 +185,7 @@ class EngineEvaluator(Evaluator):
             ids, positions, attn = self._inputs(rows)
             with attention_with_mask(self.lm.model, attn), capture_layer_outputs(self.lm.model, wanted) as kept:
                 clean = base_model(self.lm.model)(input_ids=ids, position_ids=positions, attention_mask=attn,
-                                                  **self._prefix_kwargs(clean_prefix, len(batch))).last_hidden_state
+                                                  **self._prefix_kwargs(clean_states, len(batch))).last_hidden_state
             for layer, chunk in todo:
                 if layer == n_layers:  # the full model: the clean pass itself
                     for index in chunk:
@@ -195,7 +196,7 @@ class EngineEvaluator(Evaluator):
                     row_masks = torch.cat([masks[i].expand(len(batch), -1, -1) for i in chunk])
                     state = kept[layer - 1].to(lm.dtype).repeat(m, 1, 1) if layer > 0 else None
                     states = (prefix_states(self.lm, self.prefix, None, torch.stack([masks[i] for i in chunk]), m,
-                                            self.fast_lm) if self.prefix else None)
+                                            self.fast_lm, prefix_pass) if self.prefix else None)
                     chunk_attn = _in_dtype(attn, lm.dtype)
                     with attention_with_mask(lm.model, chunk_attn), ablated_rows(lm.model, row_masks, lm.geometry), \
                             start_at_layer(lm.model, layer, state):
@@ -231,7 +232,8 @@ class EngineEvaluator(Evaluator):
         for p, (item, _) in enumerate(pairs):
             by_batch.setdefault(batch_of[item], []).append(p)
         start = {p: min(h.layer for h in heads) if heads else n_layers for p, (_, heads) in enumerate(pairs)}
-        clean_prefix = prefix_states(self.lm, self.prefix, (), None, 1) if self.prefix else None
+        prefix_pass = clean_prefix(self.lm, self.prefix) if self.prefix else None  # once per call, for every head set
+        clean_states = [prefix_pass.kv] if self.prefix else None
         for b, members in sorted(by_batch.items()):
             batch = self.batches[b]
             rows = [self.rows[i] for i in batch]
@@ -240,12 +242,14 @@ class EngineEvaluator(Evaluator):
             ids, positions, attn = self._inputs(rows)
             with attention_with_mask(model, attn), capture_layer_outputs(model, wanted) as kept:
                 clean = base_model(model)(input_ids=ids, position_ids=positions, attention_mask=attn,
-                                          **self._prefix_kwargs(clean_prefix, len(batch))).last_hidden_state
+                                          **self._prefix_kwargs(clean_states, len(batch))).last_hidden_state
             stack = max(1, self.token_budget // ids.shape[1])
             if self.prefix:
                 stack = max(1, min(stack, PREFIX_CACHE_BYTES // self._prefix_bytes()))
             for layer in sorted({start[p] for p in members}):
-                group = [p for p in members if start[p] == layer]
+                # One head set's rows side by side: a chunk computes the shared prefix once per head set it holds
+                # (prefix_states), and scattered pairs of the same set would recompute it in every chunk.
+                group = sorted((p for p in members if start[p] == layer), key=lambda p: pairs[p][1])
                 for s in range(0, len(group), stack):
                     chunk = group[s:s + stack]
                     index = torch.tensor([where[pairs[p][0]] for p in chunk], device=ids.device)
@@ -253,7 +257,7 @@ class EngineEvaluator(Evaluator):
                         hidden = clean[index]
                     else:
                         row_masks = torch.stack([head_mask(pairs[p][1], geometry) for p in chunk])
-                        states = (prefix_states(self.lm, self.prefix, None, row_masks, len(chunk))
+                        states = (prefix_states(self.lm, self.prefix, None, row_masks, len(chunk), clean=prefix_pass)
                                   if self.prefix else None)
                         chunk_attn = None if attn is None else attn[index]
                         with attention_with_mask(model, chunk_attn), ablated_rows(model, row_masks, geometry), \

@@ -9,6 +9,7 @@ log-likelihood forwards (:mod:`cel_utils.evaluation.engine`) both use it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -36,15 +37,35 @@ def sliding_window(lm: LoadedModel) -> int | None:
     return getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
 
 
+@dataclass
+class CleanPrefix:
+    """The full model's pass over a prefix: its keys and values at every layer (one row), and the residual stream after
+    every layer but the last (what an ablated pass starting at any layer resumes from)."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    kept: dict[int, torch.Tensor]
+
+
+def clean_prefix(lm: LoadedModel, prefix: Sequence[int]) -> CleanPrefix:
+    """One clean pass over ``prefix``, kept for every head set of a call: it does not depend on the heads, and computing
+    it again for every stacked forward cost arithmetic's 3-shot evaluations about a fifth of their time."""
+    n_layers = lm.geometry.n_layers
+    cache = DynamicCache(config=lm.model.config)
+    with capture_layer_outputs(lm.model, range(n_layers - 1)) as kept:
+        base_model(lm.model)(input_ids=torch.tensor([list(prefix)], device=lm.device), cache=cache, use_cache=True)
+    return CleanPrefix([(cache.layers[layer].keys[0], cache.layers[layer].values[0]) for layer in range(n_layers)],
+                       dict(kept))
+
+
 def prefix_states(lm: LoadedModel, prefix: Sequence[int], heads, masks: torch.Tensor | None, n_rows: int,
-                  fast_lm: LoadedModel | None = None):
+                  fast_lm: LoadedModel | None = None, clean: CleanPrefix | None = None):
     """Keys and values of ``prefix`` for every row: ``states[row][layer] = (keys, values)``.
 
     Computed once per distinct head set, and only from that set's lowest ablated layer on: below it the
-    prefix's keys and values are the full model's, so one clean pass provides them and the residual stream
-    that the ablated pass starts from (the engine's below-layer reuse, see :mod:`cel_utils.evaluation.engine`).
-    With ``fast_lm`` (the guarded precision's bfloat16 copy) the clean pass is ``lm``'s and the ablated passes
-    ``fast_lm``'s, and every state comes in ``fast_lm``'s dtype.
+    prefix's keys and values are the full model's, so one clean pass (``clean``, computed here if not given)
+    provides them and the residual stream that the ablated pass starts from (the engine's below-layer reuse, see
+    :mod:`cel_utils.evaluation.engine`). With ``fast_lm`` (the guarded precision's bfloat16 copy) the clean pass
+    is ``lm``'s and the ablated passes ``fast_lm``'s, and every state comes in ``fast_lm``'s dtype.
     """
     if masks is None:
         sets, index = head_mask(heads, lm.geometry)[None], torch.zeros(n_rows, dtype=torch.long)
@@ -53,25 +74,19 @@ def prefix_states(lm: LoadedModel, prefix: Sequence[int], heads, masks: torch.Te
         sets = sets.view(-1, *masks.shape[1:])
     n_layers = lm.geometry.n_layers
     first = [int(s.any(dim=1).nonzero()[0, 0]) if s.any() else n_layers for s in sets]
-    base, ids = base_model(lm.model), torch.tensor([list(prefix)], device=lm.device)
-
-    def kv(cache, layer: int, row: int):
-        return cache.layers[layer].keys[row], cache.layers[layer].values[row]
-
-    clean = DynamicCache(config=lm.model.config)
-    # Keep only the residual streams an ablated pass resumes from (as the engine does), not every layer's.
-    with capture_layer_outputs(lm.model, {f - 1 for f in first if 0 < f < n_layers}) as kept:
-        base(input_ids=ids, cache=clean, use_cache=True)
+    ids = torch.tensor([list(prefix)], device=lm.device)
+    clean = clean or clean_prefix(lm, prefix)
     fast = fast_lm or lm
-    per_set = [[tuple(t.to(fast.dtype) for t in kv(clean, layer, 0)) for layer in range(n_layers)] for _ in first]
+    per_set = [[tuple(t.to(fast.dtype) for t in clean.kv[layer]) for layer in range(n_layers)] for _ in first]
     for start in sorted(set(first) - {n_layers}):
         group = [u for u, f in enumerate(first) if f == start]
         cache = DynamicCache(config=fast.model.config)
-        state = kept[start - 1].to(fast.dtype).expand(len(group), -1, -1) if start else None
+        state = clean.kept[start - 1].to(fast.dtype).expand(len(group), -1, -1) if start else None
         with ablated_rows(fast.model, sets[group].to(lm.device), lm.geometry), start_at_layer(fast.model, start, state):
             base_model(fast.model)(input_ids=ids.expand(len(group), -1), cache=cache, use_cache=True)
         for row, u in enumerate(group):
-            per_set[u][start:] = [kv(cache, layer, row) for layer in range(start, n_layers)]
+            per_set[u][start:] = [(cache.layers[layer].keys[row], cache.layers[layer].values[row])
+                                  for layer in range(start, n_layers)]
     return [per_set[u] for u in index.tolist()]
 
 
