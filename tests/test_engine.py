@@ -113,6 +113,28 @@ def test_a_shared_few_shot_prefix_is_computed_once_per_head_set_with_the_same_de
         assert_same_decisions(reference, engine.evaluate(interventions))
 
 
+def test_the_prefix_clean_pass_runs_once_per_call_however_many_forwards(tiny_models, data_dir, monkeypatch):
+    import cel_utils.evaluation.engine as engine_module
+    import cel_utils.evaluation.prefix as prefix_module
+
+    lm = tiny_models["llama"]
+    data = load_task_data("arithmetic_2da", 4, 3, seed=0, num_fewshot=3, data_dir=data_dir)
+    interventions = _interventions(lm.geometry)
+    real, passes, stacked = prefix_module.clean_prefix, [], []
+    counted = lambda *args: passes.append(1) or real(*args)  # noqa: E731
+    for module in (engine_module, prefix_module):  # the engine's own pass, and any prefix_states would make itself
+        monkeypatch.setattr(module, "clean_prefix", counted)
+    real_states = engine_module.prefix_states
+    monkeypatch.setattr(engine_module, "prefix_states", lambda *a, **k: stacked.append(1) or real_states(*a, **k))
+    engine = EngineEvaluator(lm, data.task, data.discovery, data.fewshot, batch_size=2, token_budget=64, progress=False)
+    assert len(engine.prefix) >= 32
+    engine.continuation_stats(interventions)
+    assert len(stacked) > 3 and len(passes) == 1  # many stacked forwards, one clean pass over the prefix
+    passes.clear(), stacked.clear()
+    engine.pair_stats([(i, heads) for i in range(len(data.discovery)) for heads in interventions[1:]])
+    assert len(stacked) > 3 and len(passes) == 1
+
+
 def test_out_of_memory_halves_the_token_budget_and_keeps_the_decisions(tiny_models, task_data, monkeypatch):
     import cel_utils.evaluation.engine as engine_module
 

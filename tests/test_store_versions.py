@@ -14,7 +14,7 @@ RECORDED = {
     "naive-1": "5d5c483331465661d2601f1e7a946169ece75f152c6a0727e428b35dd1c94f4e",
     # engine-2 (issue 28: packed answers see a sliding window), with issue 27's pair recheck and fast pass (fp32 unchanged)
     # and the few-shot prefix's clean pass once per call (fp32, fast pass and rechecks bit-identical to before)
-    "engine-2": "ae5762b54b691cb4acd5cf6d4ace1e4b7c79b1746118993563fd3f1f4c54fd83",
+    "engine-2": "afcbb9de28eccf7de22f410d5c206b8a2c9331821a52a4d441305f647aac6e9f",
 }
 WHERE = {NaiveEvaluator: "store_kind in cel_utils/evaluation/evaluator.py",
          EngineEvaluator: "ENGINE_VERSION in cel_utils/evaluation/engine.py"}
