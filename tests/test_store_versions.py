@@ -10,11 +10,12 @@ from cel_utils.evaluation.store import source_sha256
 
 # store_kind -> sha256 of its store_sources (cel_utils.evaluation.store.source_sha256).
 RECORDED = {
-    # naive-1, with issue 27's top-2 gaps that generate reports when asked (the default path computes the same)
-    "naive-1": "5d5c483331465661d2601f1e7a946169ece75f152c6a0727e428b35dd1c94f4e",
+    # naive-1, with issue 27's top-2 gaps that generate reports when asked (the default path computes the same), and
+    # the prefix's clean pass once per generate call (completions and gaps bit-identical to before)
+    "naive-1": "129e6fd27ccf251aed6cf81176a25f1a46d5803fa117bfcf41c61fc9dac941aa",
     # engine-2 (issue 28: packed answers see a sliding window), with issue 27's pair recheck and fast pass (fp32 unchanged)
     # and the few-shot prefix's clean pass once per call (fp32, fast pass and rechecks bit-identical to before)
-    "engine-2": "afcbb9de28eccf7de22f410d5c206b8a2c9331821a52a4d441305f647aac6e9f",
+    "engine-2": "39dfe8373499a14f3d332537dc5b8f13682c2a01fd1561da32dac999fd082ad6",
 }
 WHERE = {NaiveEvaluator: "store_kind in cel_utils/evaluation/evaluator.py",
          EngineEvaluator: "ENGINE_VERSION in cel_utils/evaluation/engine.py"}

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from cel_utils.evaluation.batching import length_batches
-from cel_utils.evaluation.prefix import MIN_SHARED_PREFIX, prefix_states, shared_prefix_length, sliding_window
+from cel_utils.evaluation.prefix import (MIN_SHARED_PREFIX, CleanPrefix, clean_prefix, prefix_states,
+                                        shared_prefix_length, sliding_window)
 from cel_utils.models.ablation import ablated, ablated_rows
 from cel_utils.models.heads import HeadId
 from cel_utils.models.loading import LoadedModel
@@ -116,6 +117,7 @@ def generate(lm: LoadedModel, requests: list[GenRequest], heads: Iterable[HeadId
     decoded: list[Decoded | None] = [None] * len(requests)
     stops = sorted({r.stop for r in requests if r.stop})
     window = sliding_window(lm)
+    clean: dict[tuple[int, ...], CleanPrefix] = {}  # the full model's pass over each batch's prefix, made once per call
     for start, stop in length_batches(own, batch_size, token_budget, MAX_PROMPT_PADDING, max_new_tokens):
         batch = order[start:stop]
         contexts = [requests[i].context for i in batch]
@@ -131,7 +133,12 @@ def generate(lm: LoadedModel, requests: list[GenRequest], heads: Iterable[HeadId
             mask[row, :n_prefix] = 1
             ids[row, width - (len(context) - n_prefix):] = torch.tensor(context[n_prefix:])
             mask[row, width - (len(context) - n_prefix):] = 1
-        states = prefix_states(lm, contexts[0][:n_prefix], heads, masks, len(batch)) if n_prefix else None
+        states = None
+        if n_prefix:
+            prefix = tuple(contexts[0][:n_prefix])
+            if prefix not in clean:
+                clean[prefix] = clean_prefix(lm, prefix)
+            states = prefix_states(lm, prefix, heads, masks, len(batch), clean=clean[prefix])
         cache = _decoding_cache(lm, len(batch), width + max_new_tokens, states)
         step_gaps = [[] for _ in batch] if gaps else None
         answers = _greedy(lm, ids[:, n_prefix:], mask, cache, heads, masks, max_new_tokens=max_new_tokens,

@@ -52,7 +52,8 @@ from cel_utils.tasks.scoring import ContinuationStats, Outcome
 
 def resolve_precision(precision: str, device: torch.device | str) -> str:
     """``auto``: ``guarded`` where ``device`` computes bf16 natively (a CUDA GPU, a CPU with bf16 units), else
-    ``fp32``; any other choice as given."""
+    ``fp32``; any other choice as given. Per task, :func:`cel_utils.pipeline.protocol.run_precision` narrows ``auto``
+    further (guarded only where it was measured faster than fp32)."""
     from cel_utils.config import PRECISIONS
 
     if precision not in PRECISIONS:
