@@ -15,7 +15,7 @@ RECORDED = {
     "naive-1": "129e6fd27ccf251aed6cf81176a25f1a46d5803fa117bfcf41c61fc9dac941aa",
     # engine-2 (issue 28: packed answers see a sliding window), with issue 27's pair recheck and fast pass (fp32 unchanged)
     # and the few-shot prefix's clean pass once per call (fp32, fast pass and rechecks bit-identical to before)
-    "engine-2": "39dfe8373499a14f3d332537dc5b8f13682c2a01fd1561da32dac999fd082ad6",
+    "engine-2": "385613adf25523342437f297837b19374fda8efc16ae324f00540c6549e3a426",
 }
 WHERE = {NaiveEvaluator: "store_kind in cel_utils/evaluation/evaluator.py",
          EngineEvaluator: "ENGINE_VERSION in cel_utils/evaluation/engine.py"}

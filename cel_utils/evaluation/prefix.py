@@ -40,7 +40,9 @@ def sliding_window(lm: LoadedModel) -> int | None:
 @dataclass
 class CleanPrefix:
     """The full model's pass over a prefix: its keys and values at every layer (one row), and the residual stream after
-    every layer but the last (what an ablated pass starting at any layer resumes from)."""
+    every layer but the last (what an ablated pass starting at any layer resumes from). The residual streams are the
+    larger part: layers x prefix tokens x hidden size (SmolLM2-135M, a 100-token prefix: 7 MB in fp32; an 8B model
+    with a 600-token prefix: 0.16 GB in bf16), held for one call."""
 
     kv: list[tuple[torch.Tensor, torch.Tensor]]
     kept: dict[int, torch.Tensor]
