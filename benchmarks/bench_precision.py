@@ -29,12 +29,16 @@ from cel_utils.tasks.splits import load_task_data
 
 
 def _interventions(geometry, n_heads: int, n_pairs: int, seed: int = 0) -> list:
+    """The full model, ``n_heads`` single heads spread over the layers and ``n_pairs`` distinct random pairs of heads
+    (drawn with ``seed``: another seed gives other pairs, for more pairs on the same items)."""
     heads = geometry.all_heads()
     singles = heads if not n_heads or n_heads >= len(heads) else [heads[j] for j in
                                                                    np.linspace(0, len(heads) - 1, n_heads).astype(int)]
     rng = np.random.default_rng(seed)
-    pairs = [tuple(sorted(heads[j] for j in rng.choice(len(heads), 2, replace=False))) for _ in range(n_pairs)]
-    return [()] + [(h,) for h in singles] + pairs
+    pairs: dict = {}
+    while len(pairs) < n_pairs:
+        pairs[tuple(sorted(heads[j] for j in rng.choice(len(heads), 2, replace=False)))] = None
+    return [()] + [(h,) for h in singles] + list(pairs)
 
 
 def _flips(reference, candidate) -> int:
@@ -43,13 +47,13 @@ def _flips(reference, candidate) -> int:
 
 
 def bench_task(lm, task: str, n_items: int | None, n_heads: int, n_pairs: int, offset: int = 0,
-               plain: bool = True) -> dict:
+               plain: bool = True, pair_seed: int = 0) -> dict:
     config = RunConfig.from_dict({"task": task, "preset": "cpu"})
     data = load_task_data(task, config.n_discovery, config.n_holdout, seed=config.seed, num_fewshot=config.num_fewshot,
                           data_dir=config.data_dir)
     items = data.discovery[offset:offset + n_items] if n_items else data.discovery[offset:]
     make = functools.partial(EngineEvaluator, task=data.task, items=items, fewshot=data.fewshot, progress=False)
-    interventions = _interventions(lm.geometry, n_heads, n_pairs)
+    interventions = _interventions(lm.geometry, n_heads, n_pairs, pair_seed)
     times, outcomes = {}, {}
     guard = Guard(seed=config.seed)
     runs = {"fp32": lambda: make(lm), "bf16": lambda: make(bf16_model(lm)),
@@ -77,6 +81,7 @@ def main() -> None:
     parser.add_argument("--offset", type=int, default=0, help="skip the first discovery items (new pairs for the check)")
     parser.add_argument("--heads", type=int, default=0, help="single heads spread over the layers (0: all)")
     parser.add_argument("--pairs", type=int, default=20, help="random pairs of heads")
+    parser.add_argument("--pair-seed", type=int, default=0, help="seed of the random pairs (another seed: other pairs)")
     parser.add_argument("--no-plain", dest="plain", action="store_false",
                         help="skip plain bf16 (only fp32 and guarded: more pairs checked per hour)")
     args = parser.parse_args()
@@ -84,7 +89,7 @@ def main() -> None:
     lm = load_model(dtype="float32")
     rows = []
     for task in args.tasks:
-        row = bench_task(lm, task, args.items, args.heads, args.pairs, args.offset, args.plain)
+        row = bench_task(lm, task, args.items, args.heads, args.pairs, args.offset, args.plain, args.pair_seed)
         rows.append(row)
         print(row, flush=True)
     print("\n| task | items x interventions | plain bf16 flips | guarded flips | share rechecked | band (2x largest error) "
