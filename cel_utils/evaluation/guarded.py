@@ -50,6 +50,7 @@ from cel_utils.models.heads import HeadId, format_heads
 from cel_utils.models.loading import LoadedModel
 from cel_utils.tasks.scoring import ContinuationStats, Outcome
 
+
 def resolve_precision(precision: str, device: torch.device | str) -> str:
     """``auto``: ``guarded`` where ``device`` computes bf16 natively (a CUDA GPU, a CPU with bf16 units), else
     ``fp32``; any other choice as given. Per task, :func:`cel_utils.pipeline.protocol.run_precision` narrows ``auto``
