@@ -31,7 +31,7 @@ import time
 import warnings
 from pathlib import Path
 
-from cel_utils.evaluation.sandbox import SandboxWarning, UnisolatedSandboxError, isolation_report, run_program
+from cel_utils.sandbox import SandboxWarning, UnisolatedSandboxError, isolation_report, run_program
 
 WRONG_ADD = "def add(a, b):\n    return 0\n"
 ADD_TESTS = ["assert add(1, 2) == 3"]
@@ -120,6 +120,15 @@ def own_processes() -> set[int]:
     return mine
 
 
+def left_behind(before: set[int], within_s: float = 5.0) -> int:
+    """How many of our processes (beyond `before`) outlived the run that just ended: those still there `within_s`
+    later. A killed process takes a moment to exit, longer on a loaded machine; one that escaped stays."""
+    deadline = time.monotonic() + within_s
+    while (extra := len(own_processes() - before)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return extra
+
+
 def run_suite(target_root: Path, timeout_s: float) -> dict:
     """Every program of `hostile_programs` through the sandbox, and the checks of the module docstring."""
     folder = Path(tempfile.mkdtemp(prefix="cel-hostile-", dir=target_root))
@@ -140,9 +149,8 @@ def run_suite(target_root: Path, timeout_s: float) -> dict:
             attacks = hostile_programs(sentinel, listener.getsockname()[1], unix_path, abstract)
             for name, program, tests in [CONTROL, *attacks]:
                 r = run_program(program, tests, timeout_s=timeout_s, memory_mb=256, cache=False)
-                time.sleep(0.1)  # a process that outlives the run has had time to show up
                 rows.append({"program": name, "status": r.status, "passed": r.passed, "seconds": r.duration_s,
-                             "protections": list(r.protections), "left_behind": len(own_processes() - before),
+                             "protections": list(r.protections), "left_behind": left_behind(before),
                              "note": r.stderr.splitlines()[-1] if r.stderr else ""})
             report = isolation_report()
         checks = {"sentinel_untouched": sentinel.exists() and sentinel.read_text() == "original"

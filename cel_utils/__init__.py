@@ -3,10 +3,11 @@
 The subpackages are layers; each imports only from the ones above it in this list:
 
     checks, paths      one integer check, one way to write a file, one cache folder
+    sandbox/           running model-written code (MBPP) in a locked-down process, and its cache (stdlib and paths)
     hardware           the CPU's model and flags, native bf16 and its measured cost on a device
     models/            heads, model plumbing (the intervention site), ablation, loading, random test models
     tasks/             task specs, data and splits, prompts, decisions and metrics
-    evaluation/        the task-kind registry, evaluators (naive and the exact engine), generation, store, sandbox
+    evaluation/        the task-kind registry, evaluators (naive and the exact engine), generation, store
     search/            ranking, Algorithm 1, attribution patching, other search strategies
     config, presets    RunConfig: every run setting, declared once (checked against the layers above); the presets' tables
     stats/             significance, the random-set null and stability of a run

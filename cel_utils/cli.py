@@ -8,7 +8,7 @@
     toc        print the committed table of contents and the executed notebooks its globs pick up
     strategies the search strategies compared on (model, task, seed) cells (not part of main: costly on a CPU)
     export     write a run's frozen ablation as a standard Hugging Face checkpoint
-    list       the tasks, presets and model families this version knows
+    list       the tasks, presets and model families this version knows (--lmeval PART: lm-evaluation-harness's)
 
 Every run setting is a flag of `grid`, `main` and `strategies`, declared once in cel_utils.config.RunConfig; a flag
 not given leaves the setting to the preset. Every command exits non-zero when something failed, after doing
@@ -50,6 +50,7 @@ def _selection_arguments(parser: argparse.ArgumentParser, title: str, tasks_requ
                    help=setting_help("task").replace("task:", "tasks:") + tasks_default)
     g.add_argument("--seeds", nargs="+", type=int, default=[seed], metavar="SEED",
                    help=setting_help("seed") + f" (default: {seed})")
+    # auto, not RunConfig's none: a grid sizes its runs for where they run (see RunConfig.preset, cel_utils/config.py)
     g.add_argument("--preset", choices=PRESET_NAMES, default="auto",
                    help="per-task sizes and search settings (cel_utils.config.PRESETS): cpu, paper (Table 3 sizes, "
                         "p=10, k=3), quick (minutes on a laptop), smoke (tiny, for tests), none (RunConfig's defaults); "
@@ -183,6 +184,7 @@ def cmd_toc(args) -> int:
 
 def cmd_book(args) -> int:
     from cel_utils.book import build
+    from cel_utils.book.key_results import add_key_results
     from cel_utils.book.titles import retitle
 
     paths = _paths(args)
@@ -195,6 +197,7 @@ def cmd_book(args) -> int:
         status = 1
     for page in build.run_pages(paths):
         retitle(page)
+    add_key_results(paths.results_dir, build.run_pages(paths))  # each run among all of them (cel_utils.book.claims)
     cmd_aggregate(args)
     if cmd_toc(args) != 0:
         return 2
@@ -334,11 +337,38 @@ def _export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed logit difference (default 1e-4)")
 
 
+def _list_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lmeval", metavar="PART", default=None,
+                        help="list lm-evaluation-harness's tasks, groups and tags whose name contains PART (\"\" for "
+                             "all; with $CEL_LMEVAL_INCLUDE's folders), each runnable task as lmeval:<name>")
+
+
+def _list_lmeval(part: str) -> int:
+    from cel_utils.tasks.lmeval import KINDS, PREFIX, lmeval_version, search
+
+    rows = search(part)
+    print(f"lm-evaluation-harness {lmeval_version()}: {len(rows)} name(s) containing {part!r} "
+          "(run a task as lmeval:<name>; a group or tag is its tasks, run as a grid)")
+    for row in rows:
+        if row["kind"] == "task":
+            kind = KINDS.get(row["output_type"], "not runnable: no per-item decision")
+            print(f"  {PREFIX + row['name']:48s} {row['output_type']:22s} -> {kind}")
+        elif row["kind"] in ("group", "tag"):
+            members = row["members"]
+            shown = ", ".join(members[:4]) + (f", ... ({len(members)})" if len(members) > 4 else "")
+            print(f"  {row['name']:48s} {row['kind']:22s} of {shown}")
+        else:
+            print(f"  {row['name']:48s} {'python class':22s} -> not runnable (not a YAML declaration)")
+    return 0
+
+
 def cmd_list(args) -> int:
     from cel_utils.config import PRESETS, preset_values
     from cel_utils.models.plumbing import ARCHITECTURES
     from cel_utils.tasks.specs import TASKS
 
+    if args.lmeval is not None:
+        return _list_lmeval(args.lmeval)
     print("tasks (task: kind, primary metric, the paper's discovery / holdout sizes):")
     for name, task in TASKS.items():
         print(f"  {name:16s} {task.kind:8s} {task.metric:8s} {task.paper_sizes[0]} / {task.paper_sizes[1]}")
@@ -377,7 +407,8 @@ def parser() -> argparse.ArgumentParser:
         "strategies": ("compare search strategies on (model, task, seed) cells; executes notebooks/cel_strategies.ipynb",
                        cmd_strategies, [_strategies_arguments, _path_arguments]),
         "export": ("write a run's frozen ablation as a standard Hugging Face checkpoint", cmd_export, [_export_arguments]),
-        "list": ("the tasks, presets and model families this version knows", cmd_list, []),
+        "list": ("the tasks, presets and model families this version knows; --lmeval: lm-eval's tasks", cmd_list,
+                 [_list_arguments]),
     }
     for name, (help_text, func, adders) in commands.items():
         command = sub.add_parser(name, help=help_text, description=help_text)

@@ -28,6 +28,7 @@ from typing import Any, Mapping
 from cel_utils.checks import check_int
 from cel_utils.presets import (BOOK_MODELS, BOOK_SEED, MODEL_PRESETS, PRESET_TASKS, PRESETS, RUN_MINUTES,  # noqa: F401
                                TASK_FAMILIES)  # (re-exported)
+from cel_utils.sandbox import MEMORY_MB, TIMEOUT_S
 from cel_utils.search.screening import DECISION_SCREENS, SCREENS
 from cel_utils.tasks.prompts import BOS_POLICIES, FORMATS
 
@@ -38,13 +39,15 @@ STAGE1_MODES = ("exact", "screened")
 PRECISIONS = ("fp32", "bf16", "guarded", "auto")  # cel_utils.evaluation.guarded
 ATTENTION_KERNELS = ("sdpa", "eager", "flash_attention_2")
 PRESET_NAMES = ("auto", "cpu", "paper", "quick", "smoke", "none")
+ABLATIONS = ("zero", "mean")  # cel_utils.models.ablation
 
 
 def setting(default: Any, help: str, *, results: bool = True, choices: tuple | None = None,
             minimum: int | None = None, flag: bool = True):
     """One run setting: ``results`` says whether changing it can change the artifact's numbers (``--skip-existing``
-    reruns a cell when such a setting differs); ``flag=False`` keeps it off the generic run flags (the CLI names
-    model, task, seed, preset and paths in their own groups)."""
+    reruns a cell when such a setting differs); ``minimum``: the least value of an int setting, a bound a float setting
+    must exceed; ``flag=False`` keeps it off the generic run flags (the CLI names model, task, seed, preset and paths
+    in their own groups)."""
     return field(default=default, metadata={"help": help, "results": results, "choices": choices, "minimum": minimum,
                                             "flag": flag})
 
@@ -79,6 +82,13 @@ class RunConfig:
     device: str = setting("auto", "auto (CUDA if present, else CPU), cpu, cuda, cuda:1, ...")
     dtype: str = setting("auto", "weights' dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16")
     max_new_tokens: int = setting(256, "generation budget per MBPP item", minimum=1)
+    # MBPP's verdicts depend on these two, its completions not: the store keeps completions whatever the limits, and
+    # the sandbox's cache keys each verdict by them (cel_utils.sandbox.cache).
+    exec_timeout_s: float = setting(TIMEOUT_S, "MBPP: seconds of wall clock a completion and its tests may run in the "
+                                    "sandbox (CPU time is limited alike); a program still running then fails as a "
+                                    "timeout", minimum=0)
+    exec_memory_mb: int = setting(MEMORY_MB, "MBPP: MiB of address space per process running a completion "
+                                  "(RLIMIT_AS); a program that needs more fails with MemoryError", minimum=1)
     attn_implementation: str = setting("sdpa", "attention kernel: sdpa, eager, flash_attention_2 (CUDA; the engine runs "
                                        "packed answers in sdpa, as flash attention takes no custom mask)",
                                        choices=ATTENTION_KERNELS)
@@ -90,6 +100,10 @@ class RunConfig:
                                        "on a GPU; halved automatically on out-of-memory)", results=False, minimum=1)
     engine: str = setting("fast", "fast (the exact engine that reuses shared work) or naive (one full forward per "
                           "intervention)", choices=ENGINES)
+    ablation: str = setting("zero", "how the search ablates a head: zero (its o_proj-input slice set to 0, the paper's) "
+                            "or mean (set to its mean over the discovery items' tokens); every run also scores its "
+                            "frozen set under the other one on the same holdout items, as a control",
+                            choices=ABLATIONS)
     precision: str = setting("fp32", "what the evaluations compute in: fp32 (the model as loaded, float32 unless dtype "
                              "says otherwise), bf16 (a bfloat16 copy; approximate: rounding flips ~1% of decisions), "
                              "guarded (bf16, with fp32 recomputing every decision bf16's audited error could flip: fp32's "
@@ -119,7 +133,13 @@ class RunConfig:
                                minimum=0)
     resample: str = setting("bootstrap", "how discovery sets are resampled: bootstrap (with replacement) or halves "
                             "(complementary random halves)", choices=RESAMPLE_METHODS)
-    preset: str = setting("none", "the preset the other settings were filled from (see cel_utils.config.PRESETS)",
+    # Each way in has its own default preset, for its own use: none here (a configuration built in code is its declared
+    # defaults, the paper's protocol, on any machine), auto on the command line (cli.py: `cel grid` and `main`, which
+    # `make book` runs, take the paper's sizes where the cells have CUDA and cpu's elsewhere), quick in the run
+    # notebook (NOTEBOOK_PARAMETERS: opened on a laptop as it is, it finishes in minutes).
+    preset: str = setting("none", "the preset the other settings were filled from (see cel_utils.config.PRESETS); "
+                          "default none in code (the declared defaults), auto on the command line (paper with CUDA, "
+                          "else cpu), quick in the run notebook (minutes on a laptop)",
                           results=False, choices=PRESET_NAMES, flag=False)
 
     @classmethod
@@ -131,7 +151,7 @@ class RunConfig:
         if unknown:
             raise ValueError(f"unknown run setting(s) {unknown}: the settings are {', '.join(field_names(cls))} "
                              f"(cel_utils.config.{cls.__name__})")
-        preset = resolve_preset(values.get("preset", "none"))
+        preset = resolve_preset(values.get("preset", _default(cls, "preset")))
         task = values.get("task", _default(cls, "task"))
         model = values.get("model", _default(cls, "model"))
         # a preset row may hold settings of a subclass (TransferConfig's transfer_items): each class takes its own
@@ -169,6 +189,9 @@ class RunConfig:
         if self.precision == "guarded" and self.engine != "fast":
             raise ValueError("precision guarded rechecks single (item, intervention) pairs with the fast engine: use "
                              "engine fast, or precision bf16 or fp32 with the naive engine")
+        if self.ablation == "mean" and self.precision in ("guarded", "auto"):
+            raise ValueError(f"ablation mean with precision {self.precision}: the guarded precision's fp32 rechecks zero "
+                             "the heads; use precision fp32 or bf16 with ablation mean")
         if self.stage1 == "screened":
             from cel_utils.evaluation.kinds import kind_of
 
@@ -265,8 +288,12 @@ def check_value(name: str, value: Any, kind: tuple[type, bool], metadata: Mappin
         return
     if value_type is int:
         check_int(name, value, metadata.get("minimum"), optional=optional)
+    elif value_type is float and type(value) is int:  # stored as given, it would reach the artifact as 5, not 5.0
+        raise ValueError(f"{name} must be a float: write {value}.0, got {value!r}")
     elif not isinstance(value, value_type):
         raise ValueError(f"{name} must be {value_type.__name__}{' or None' if optional else ''}, got {value!r}")
+    elif value_type is float and metadata.get("minimum") is not None and not metadata["minimum"] < value < float("inf"):
+        raise ValueError(f"{name} must be a finite number > {metadata['minimum']:g}, got {value!r}")
     if metadata.get("choices") and value not in metadata["choices"]:
         raise ValueError(f"unknown {name} {value!r}: choose from {', '.join(metadata['choices'])}")
 
@@ -282,7 +309,7 @@ def check_setting(cls: type, name: str, value: Any) -> None:
 
 # --- presets -------------------------------------------------------------------------------------------------------
 
-def resolve_preset(name: str = "auto", cuda: bool | None = None) -> str:
+def resolve_preset(name: str, cuda: bool | None = None) -> str:
     """``auto``: ``paper`` where the run happens has CUDA, else ``cpu``; ``cuda``: whether it has (None: this machine)."""
     if name not in PRESET_NAMES:
         raise ValueError(f"unknown preset {name!r}: choose from {', '.join(PRESET_NAMES)}")
@@ -320,7 +347,7 @@ def expected_minutes(preset: str, task: str, model: str | None = None) -> float 
     return table.get(model, table.get("*", {})).get(task_family(task))
 
 
-def default_tasks(preset: str = "auto", cuda: bool | None = None) -> tuple[str, ...]:
+def default_tasks(preset: str, cuda: bool | None = None) -> tuple[str, ...]:
     """The tasks a grid runs when none are named, for runs on a machine with CUDA or not (None: this one)."""
     return PRESET_TASKS[resolve_preset(preset, cuda)]
 
@@ -328,7 +355,9 @@ def default_tasks(preset: str = "auto", cuda: bool | None = None) -> tuple[str, 
 # --- the run notebook's input --------------------------------------------------------------------------------------
 
 # notebooks/cel_run.ipynb's parameters cell holds exactly these names and values (tests/test_notebook.py checks it):
-# opened in Jupyter on a laptop with its defaults, it runs the quick preset in minutes.
+# opened in Jupyter on a laptop with its defaults, it runs the quick preset in minutes (auto would take the cpu
+# preset's sizes there: 6 to 16 minutes a run in RUN_MINUTES). Grid cells always pass their preset: this default is
+# only the notebook's own.
 NOTEBOOK_PARAMETERS: dict[str, Any] = {"model": DEFAULT_MODEL, "task": "arithmetic_1dc", "seed": 0, "preset": "quick",
                                        "config": {}, "progress": "bars"}  # progress: cel_utils.progress (grid cells: log)
 

@@ -23,7 +23,7 @@ NON_DEFAULT = {
     "batch_size": 3, "device": "cpu", "dtype": "bfloat16", "attn_implementation": "eager", "revision": None,
     "device_map": "auto", "token_budget": 512, "engine": "naive", "cache": False, "stage1": "screened",
     "screen": "boundary", "screen_keep": 6, "screen_candidates": 7, "screen_items": 4, "n_random_sets": 2, "null_items": 5, "n_resamples": 1, "resample": "halves",
-    "precision": "bf16",
+    "precision": "bf16", "exec_timeout_s": 5.0, "exec_memory_mb": 2048, "ablation": "mean",
 }
 EFFECT = {  # besides the artifact's config section: where the setting shows in what was computed
     "model": lambda a: a["model"]["spec"] == "random:llama:tiny",
@@ -49,6 +49,8 @@ EFFECT = {  # besides the artifact's config section: where the setting shows in 
     "n_resamples": lambda a: a["reliability"]["stability"]["n_resamples"] == 1,
     "resample": lambda a: a["reliability"]["stability"]["method"] == "halves",
     "precision": lambda a: a["precision"]["resolved"] == "bf16" and a["precision"]["approximate"],
+    # the search mean-ablates, so the control is zero-ablation (and the mean's digest is recorded)
+    "ablation": lambda a: a["control"]["ablation"] == "zero" and len(a["control"]["means"]["sha256"]) == 64,
 }
 
 
@@ -105,7 +107,7 @@ ALTERNATIVE = {"bos": "never", "attn_implementation": "sdpa", "n_discovery": 4, 
                "device": "auto", "dtype": "float32", "engine": "fast", "stage1": "exact", "screen": "attribution",
                "screen_keep": 7, "screen_candidates": 8, "screen_items": 5,
                "n_random_sets": 3, "null_items": 6, "n_resamples": 2, "resample": "bootstrap",
-               "precision": "fp32"}
+               "precision": "fp32", "exec_timeout_s": 6.0, "exec_memory_mb": 1536, "ablation": "zero"}
 IDENTITY = {"model", "task", "seed"}  # another value is another cell (another file name)
 
 
@@ -124,8 +126,9 @@ def test_skip_existing_reruns_when_a_result_changing_setting_differs(ran):
         assert grid.up_to_date(grid.with_settings(cell, **{name: other})) == artifact, name  # does not change numbers
 
 
-# Result-changing settings whose effect the run above cannot show: it is not MBPP (max_new_tokens), and its artifact
-# holds decisions, which are the same on either engine or kernel. Each changes the numbers an evaluator computes.
+# Result-changing settings whose effect the run above cannot show: it is not MBPP (max_new_tokens, the execution
+# limits), and its artifact holds decisions, which are the same on either engine or kernel. Each changes the numbers an
+# evaluator computes.
 def _margins(lm, data, evaluator=None):
     from cel_utils.evaluation.engine import EngineEvaluator
     from cel_utils.models.heads import HeadId
@@ -160,8 +163,48 @@ def _max_new_tokens_changes_completions(tiny_models, data_dir):
     return tuple(generate(lm, requests, (), batch_size=8, max_new_tokens=n) for n in (3, 6))
 
 
-NUMBERS = {"attn_implementation": _kernel_changes_numbers, "engine": _engine_changes_numbers,
-           "max_new_tokens": _max_new_tokens_changes_completions}
+def _mbpp_decisions(tiny_models, data_dir, before: str, **limits) -> list[tuple[str, bool]]:
+    """The verdicts and decisions of a run's evaluator (built from a RunConfig by make_evaluator, decided by the kind's
+    decide) on MBPP items whose completions are their reference solutions with ``before`` run first."""
+    from cel_utils.pipeline.protocol import make_evaluator
+
+    data = load_task_data("mbpp", 1, 2, seed=0, num_fewshot=0, data_dir=data_dir)
+    run = config.RunConfig(task="mbpp", cache=False, **limits).validate()
+    evaluator = make_evaluator(tiny_models["llama"], data, data.holdout, run, progress=False)
+    outcome = evaluator.decide([before + item.doc["code"] for item in data.holdout])
+    return [(p["status"], bool(c)) for p, c in zip(outcome.predictions, outcome.correct)]
+
+
+def _exec_timeout_changes_decisions(tiny_models, data_dir):
+    # a program that sleeps 0.5 s: within 5 s it passes, under 0.2 s it is still running (the retry alone, too)
+    decisions = [_mbpp_decisions(tiny_models, data_dir, "import time\ntime.sleep(0.5)\n", exec_timeout_s=limit)
+                 for limit in (5.0, 0.2)]
+    assert decisions == [[("passed", True)] * 2, [("timeout", False)] * 2]
+    return decisions
+
+
+def _exec_memory_changes_decisions(tiny_models, data_dir):
+    # a program that takes 300 MiB: within 1024 MiB it passes, within 256 it raises MemoryError
+    decisions = [_mbpp_decisions(tiny_models, data_dir, "_ballast = bytearray(300 << 20)\n", exec_memory_mb=limit)
+                 for limit in (1024, 256)]
+    assert decisions == [[("passed", True)] * 2, [("exception", False)] * 2]
+    return decisions
+
+
+def _ablation_changes_numbers(tiny_models, data_dir):
+    from cel_utils.evaluation.engine import EngineEvaluator
+    from cel_utils.evaluation.means import compute_means
+
+    lm = tiny_models["llama"]
+    data = load_task_data("hellaswag", 4, 2, seed=0, data_dir=data_dir)
+    zero = EngineEvaluator(lm, data.task, data.discovery, progress=False)
+    means = compute_means(lm, [r.context for r in zero.requests])
+    return _margins(lm, data), _margins(lm, data, lambda *a, **k: EngineEvaluator(*a, means=means, **k))
+
+
+NUMBERS = {"attn_implementation": _kernel_changes_numbers, "engine": _engine_changes_numbers, "ablation": _ablation_changes_numbers,
+           "max_new_tokens": _max_new_tokens_changes_completions, "exec_timeout_s": _exec_timeout_changes_decisions,
+           "exec_memory_mb": _exec_memory_changes_decisions}
 
 
 @pytest.mark.parametrize("name", sorted(NUMBERS))

@@ -1,10 +1,14 @@
-"""The README and the book's speed page say what the code does: the cpu preset's table matches the preset, every
-command they give in a code block is one the code accepts, every file and heading they link to exists, and the
-README's screenshot stays small."""
+"""The README and the book's pages say what the code does: the cpu preset's table matches the preset, every command
+they give in a code block is one the code accepts, every file and heading they link to exists, the README stays short
+and its screenshot small, every glossary term a page links to is defined, and the reading group's exercises use the
+book's seed and compute what they say from artifacts in the format runs write."""
 import ast
 import importlib.util
+import json
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +16,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 SPEED = REPO / "book" / "speed.md"
+READING_GROUP = REPO / "book" / "reading_group.md"
+GLOSSARY = REPO / "book" / "glossary.md"
 DOCS = (README, SPEED)
+REFERENCE = REPO / "tests" / "fixtures" / "reference"  # artifacts of tiny random models, in the format runs write
+README_MAX_WORDS = 1800  # a newcomer's first two minutes
 
 
 def test_speed_page_cpu_tables_match_the_cpu_preset_for_each_book_model():
@@ -94,10 +102,11 @@ def check_command(argv: list[str]) -> None:
         pytest.fail(f"a command this test does not know how to check: {shlex.join(argv)}")
 
 
-@pytest.mark.parametrize("page", DOCS, ids=lambda p: p.name)
-def test_every_command_in_a_code_block_is_accepted(page):
+@pytest.mark.parametrize("page, at_least", [pytest.param(page, n, id=page.name)
+                                             for page, n in ((README, 4), (SPEED, 4), (READING_GROUP, 2))])
+def test_every_command_in_a_code_block_is_accepted(page, at_least):
     commands = code_block_commands(page)
-    assert len(commands) >= 4, f"{page.name}: expected its commands in ```bash blocks"
+    assert len(commands) >= at_least, f"{page.name}: expected its commands in ```bash blocks"
     for argv in commands:
         check_command(argv)
 
@@ -138,3 +147,115 @@ def test_readme_screenshot_is_a_small_png():
         data = (REPO / image).read_bytes()
         assert data.startswith(b"\x89PNG\r\n\x1a\n"), image
         assert len(data) <= screenshot.MAX_BYTES, f"{image}: {len(data)} bytes; retake it with scripts/screenshot.py"
+
+
+def test_readme_is_short():
+    words = len(README.read_text().split())  # as `wc -w` counts
+    assert words < README_MAX_WORDS, f"README.md has {words} words; keep it under {README_MAX_WORDS} and link the rest"
+
+
+def glossary_terms() -> set[str]:
+    """The terms the glossary defines (lower case, as Sphinx looks a term up): the unindented lines of its
+    ``{glossary}`` block, several of which may share one definition."""
+    block = re.search(r"^```\{glossary\}\n(.*?)^```", GLOSSARY.read_text(), flags=re.S | re.M)
+    assert block, "book/glossary.md holds no {glossary} block"
+    return {" ".join(line.split()).lower() for line in block.group(1).splitlines()
+            if line.strip() and not line[0].isspace() and not line.startswith(":")}
+
+
+def term_references() -> dict[str, list[str]]:
+    """Every {term} role the book's pages use, from their sources: the committed pages, the code that writes the
+    generated ones (where an f-string doubles the braces) and the notebooks. Maps each term looked up (the text, or
+    the target in ``text <target>``, lower case) to where it is used; a term computed at build time is skipped."""
+    sources = {path: path.read_text() for path in [*sorted((REPO / "book").glob("*.md")),
+                                                   *sorted((REPO / "cel_utils" / "book").glob("*.py"))]}
+    for notebook in sorted((REPO / "notebooks").glob("*.ipynb")):
+        sources[notebook] = "\n".join("".join(cell["source"]) for cell in json.loads(notebook.read_text())["cells"])
+    found: dict[str, list[str]] = {}
+    for path, text in sources.items():
+        for reference in re.findall(r"\{\{?term\}\}?`([^`]+)`", text):
+            target = re.fullmatch(r"(?s).*<([^<>]+)>\s*", reference)
+            term = " ".join((target.group(1) if target else reference).split()).lower()
+            if "{" not in term:
+                found.setdefault(term, []).append(path.relative_to(REPO).as_posix())
+    return found
+
+
+def test_every_term_a_page_links_to_has_a_glossary_entry():
+    terms, references = glossary_terms(), term_references()
+    assert len(references) >= 10, "expected the pages to link their terms to the glossary with {term}"
+    missing = {term: sorted(set(where)) for term, where in references.items() if term not in terms}
+    assert not missing, f"{{term}} links with no entry in book/glossary.md: {missing}"
+
+
+def test_reading_group_uses_the_books_seed():
+    from cel_utils.presets import BOOK_SEED
+
+    page = READING_GROUP.read_text()
+    seeds = [int(s) for s in re.findall(r"__seed(\d+)\.json", page) + re.findall(r"--seeds (\d+)", page)
+             + re.findall(r"BOOK_SEED`, (\d+)", page)]
+    assert seeds and set(seeds) == {BOOK_SEED}, (f"the reading group names seeds {sorted(set(seeds))}; the book's is "
+                                                 f"{BOOK_SEED}")
+
+
+def python_blocks(page: Path) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", page.read_text(), flags=re.S | re.M)
+
+
+@pytest.fixture
+def book_results(tmp_path):
+    """A folder laid out as after `make book` (results/<model>__<task>__seed<BOOK_SEED>.json for each book model and
+    task), filled with the reference artifacts renamed, each with its own p-value so that Holm's order matters; the
+    exercise-3 run's artifact under scratch/."""
+    from cel_utils.config import BOOK_MODELS, BOOK_SEED
+
+    (tmp_path / "results").mkdir()
+    p_values = iter([0.001, 0.004, 0.03, 0.012, 0.2, 0.04, 0.9, 0.5])
+    for model in BOOK_MODELS:
+        for fixture in sorted(REFERENCE.glob("*.json")):
+            artifact = json.loads(fixture.read_text())
+            task = artifact["task"]["name"]
+            artifact["model"]["name"], artifact["config"]["seed"] = model, BOOK_SEED
+            artifact["reliability"]["significance"]["p_value"] = next(p_values)
+            (tmp_path / "results" / f"{model}__{task}__seed{BOOK_SEED}.json").write_text(json.dumps(artifact))
+    scratch = tmp_path / "scratch" / "k-default"
+    scratch.mkdir(parents=True)
+    (scratch / f"{BOOK_MODELS[0]}__boolq__seed{BOOK_SEED}.json").write_text(
+        (tmp_path / "results" / f"{BOOK_MODELS[0]}__boolq__seed{BOOK_SEED}.json").read_text())
+    return tmp_path
+
+
+def run_block(code: str, cwd: Path) -> str:
+    done = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"the exercise's code failed:\n{code}\n{done.stderr}"
+    return done.stdout
+
+
+def test_reading_group_solutions_compute_what_they_say_from_the_artifacts(book_results):
+    from cel_utils.config import BOOK_MODELS, BOOK_SEED
+    from cel_utils.stats.multiplicity import holm
+
+    blocks = python_blocks(READING_GROUP)
+    k_choice, = [b for b in blocks if "scratch/" in b]
+    adjust, = [b for b in blocks if "Holm" in b]
+    shares, = [b for b in blocks if "full_predictions" in b]
+    boolq = json.loads((book_results / "results" / f"{BOOK_MODELS[0]}__boolq__seed{BOOK_SEED}.json").read_text())
+
+    assert run_block(k_choice, book_results).split() == [boolq["pool"][0], *boolq["frozen"]["label"].split()]
+
+    rows = re.findall(r"^(.+?)\s+p = (\S+)\s+Holm-adjusted p = (\S+)$", run_block(adjust, book_results), flags=re.M)
+    assert len(rows) == len(BOOK_MODELS) * len(list(REFERENCE.glob("*.json")))
+    expected = holm([float(raw) for _, raw, _ in rows])  # the book's own adjustment of the printed raw p-values
+    assert [float(adjusted) for _, _, adjusted in rows] == [float(f"{p:.2g}") for p in expected]
+    assert len({adjusted for _, _, adjusted in rows}) > 2  # the p-values were adjusted, not all capped at 1
+
+    out = run_block(shares, book_results)
+    held = boolq["holdout"]
+    full, ablated, right = held["full_predictions"], held["ablated_predictions"], held["full_correct"]
+    n, to_yes = len(full), sum(f == 0 and a == 1 for f, a in zip(full, ablated))
+    changed = held["help"] + held["harm"]  # two answers: a changed answer is a changed outcome
+    gold_yes = sum((f == 1) == bool(r) for f, r in zip(full, right))  # said yes and right, or said no and wrong
+    assert re.search(rf"{changed} answers changed: {to_yes} no -> yes, {changed - to_yes} yes -> no", out), out
+    assert f"gold     'yes' on {gold_yes / n:.1%} of {n} items" in out, out
+    assert f"ablated  'yes' on {sum(ablated) / n:.1%}" in out, out
+    assert f"always 'yes' scores {gold_yes / n:.1%}, always 'no' {1 - gold_yes / n:.1%}" in out, out

@@ -15,6 +15,7 @@ import pytest
 
 from cel_utils.config import RunConfig
 from cel_utils.pipeline.protocol import run_cel
+from cel_utils.stats.significance import EXACT_BELOW, exact_gain_interval
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "reference"
 SETTINGS = dict(model="random:llama:tiny", n_discovery=6, n_holdout=8, p=3, k=2, batch_size=4, max_new_tokens=24,
@@ -25,7 +26,10 @@ SETTINGS = dict(model="random:llama:tiny", n_discovery=6, n_holdout=8, p=3, k=2,
 ADDED_SETTINGS = {"bos": "auto", "attn_implementation": "sdpa", "revision": None, "device_map": None, "token_budget": None,
                   "screen_candidates": 80, "screen_items": 16,
                   "null_items": None,  # issue 13: the random-set null on a subset of the holdout (none: all, as before)
-                  "precision": "fp32"}  # issue 27: fp32 is the computation the fixtures were made with
+                  "precision": "fp32",  # issue 27: fp32 is the computation the fixtures were made with
+                  "ablation": "zero",  # issue 42: the search's ablation (zero, as before); mean is the control
+                  # issue 43: MBPP's execution limits as settings (their values are the constants they replaced)
+                  "exec_timeout_s": 10.0, "exec_memory_mb": 1024}
 REMOVED_SETTINGS: dict = {}
 ADDED_HOLDOUT: set = set()
 # The prompt as resolved: the default model's tokenizer adds no BOS, so its token sequences (and every number below)
@@ -36,7 +40,11 @@ ADDED_SECTIONS = {"prompt": {"format": "plain", "bos": False},
 # issue 29: the discovery items each scored set flipped, which a run page lists on a click. Derived from per-item
 # outcomes of which the fixture holds the counts and the full model's vector: checked against those.
 DERIVED_SECTIONS = {"discovery_flips"}
-ADDED_RELIABILITY = {"power", "calibration", "verdict"}  # issue 13: power, the calibration baseline, the verdict
+ADDED_RELIABILITY = {"power", "calibration", "verdict",  # issue 13: power, the calibration baseline, the verdict
+                     "margin"}  # issue 42: the gold answer's margin change, a secondary measure
+# issue 42: the floors under the holdout accuracy and the mean-ablation control, new computations checked on their own
+# (test_claims.py); here only that they are there and describe this run
+ISSUE_42_SECTIONS = {"floors", "control"}
 # Values that changed on purpose, (section, key) -> the change: each must differ from the fixture's.
 CHANGED = {("model", "fingerprint"): "issue 16: the sha256 of every tensor (of the weight files, for checkpoints), "
                                      "not of a strided sample that missed the weights between samples"}
@@ -68,7 +76,9 @@ def test_artifacts_are_unchanged_by_refactors(task, tiny_models, data_dir, tmp_p
     assert {k: v for k, v in new["config"].items() if k not in old["config"]} == ADDED_SETTINGS
     assert {k: v for k, v in old["config"].items() if k not in new["config"]} == REMOVED_SETTINGS
     assert set(new["holdout"]) - set(old["holdout"]) == ADDED_HOLDOUT
-    assert {k: new[k] for k in new if k not in old and k not in DERIVED_SECTIONS} == ADDED_SECTIONS
+    assert {k: new[k] for k in new if k not in old and k not in DERIVED_SECTIONS | ISSUE_42_SECTIONS} == ADDED_SECTIONS
+    assert new["floors"]["n_items"] == new["holdout"]["n_items"]
+    assert new["control"]["ablation"] == "mean" and new["control"]["heads"] == new["holdout"]["heads"]
     assert_flips_agree_with(new["discovery_flips"], old)
     new = {k: v for k, v in new.items() if k in old}
     old["config"] = {k: v for k, v in old["config"].items() if k not in REMOVED_SETTINGS}
@@ -76,12 +86,26 @@ def test_artifacts_are_unchanged_by_refactors(task, tiny_models, data_dir, tmp_p
     new["holdout"] = {k: v for k, v in new["holdout"].items() if k in old["holdout"]}
     assert set(new["reliability"]) - set(old["reliability"]) == ADDED_RELIABILITY
     new["reliability"] = {k: v for k, v in new["reliability"].items() if k in old["reliability"]}
+    new["reliability"]["significance"] = exact_below_ten(new["reliability"]["significance"],
+                                                         old["reliability"]["significance"])
     assert list(new) == list(old)
     for section, key in CHANGED:
         assert new[section][key] != old[section][key], f"{section}.{key} was meant to change: {CHANGED[section, key]}"
         new[section] = {**new[section], key: old[section][key]}
     for section in old:
         assert json.dumps(new[section], indent=1) == json.dumps(old[section], indent=1), section
+
+
+def exact_below_ten(new: dict, old: dict) -> dict:
+    """issue 42: with fewer than 10 changed answers the gain's interval is exact, not bootstrapped. Every other number of
+    the test is the fixture's; the interval must be the exact one of the fixture's counts. Returns ``new`` with the
+    fixture's interval back, for the byte comparison of the rest."""
+    changed = old["help"] + old["harm"]
+    if changed >= EXACT_BELOW:
+        return new
+    assert (new["ci_low"], new["ci_high"]) == exact_gain_interval(old["n_items"], old["help"], old["harm"])
+    assert new["interval"].startswith("exact")
+    return {**new, "ci_low": old["ci_low"], "ci_high": old["ci_high"], "interval": old["interval"]}
 
 
 def assert_flips_agree_with(flips: dict, old: dict) -> None:

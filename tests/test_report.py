@@ -83,8 +83,8 @@ def test_results_page_links_runs_that_have_a_page(tmp_path):
     (runs / "tiny-model__arithmetic_2da__seed0.ipynb").write_text("{}")  # only this run has a page
     page = results_page.write_results_page(results, tmp_path / "book" / "results.md", runs, REPO / "data" / "paper_table1.csv")
     text = page.read_text()
-    assert "| arithmetic_2da (acc) | [50.0 -> 75.0 (+25.0)](runs/tiny-model__arithmetic_2da__seed0.ipynb), 50.0% |" in text
-    assert "| boolq (acc) | 60.0 -> 55.0 (-5.0), -12.5% |" in text  # no page: no link
+    assert "| [tiny-model, arithmetic_2da (seed 0)](runs/tiny-model__arithmetic_2da__seed0.ipynb) | 50.0 -> 75.0 (+25.0) |" in text
+    assert "| tiny-model, boolq (seed 0) | 60.0 -> 55.0 (-5.0) |" in text  # no page: no link
     assert "mirror (no train split: discovery drawn from validation)" in text
     assert text.index("arithmetic_2da") < text.index("boolq")  # tasks in the paper's order
     assert "70.40 -> 83.50 (+13.10), 44.26%" in text

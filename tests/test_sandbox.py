@@ -6,17 +6,17 @@ import json
 import os
 import pwd
 import socket
-import subprocess
 import time
 
 import pytest
 
-from cel_utils.evaluation import sandbox
-from cel_utils.evaluation.sandbox import ExecCache, ExecResult, check_mbpp, run_many, run_program
+from cel_utils import sandbox
+from cel_utils.sandbox import run as runner
+from cel_utils.sandbox import ExecCache, ExecResult, check_mbpp, run_many, run_program
 
 T = 2.0  # seconds; short so the whole file stays fast on two cores
 IS_ROOT = os.geteuid() == 0
-pytestmark = pytest.mark.filterwarnings("ignore::cel_utils.evaluation.sandbox.SandboxWarning")  # degraded runs warn
+pytestmark = pytest.mark.filterwarnings("ignore::cel_utils.sandbox.SandboxWarning")  # degraded runs warn
 FULL = ("netns", "mntns", "pidns", "private-tmp", "private-proc", "uid-nobody", "rlimits", "session")
 
 
@@ -26,19 +26,36 @@ def run(program: str, tests=(), **kw) -> ExecResult:
     return run_program(program, tests, **kw)
 
 
-def nobody_processes() -> int:
-    try:
-        uid = pwd.getpwnam("nobody").pw_uid
-    except KeyError:
-        return 0
-    return sum(1 for p in os.listdir("/proc") if p.isdigit() and _uid_of(p) == uid)
+def sandbox_processes() -> int:
+    """Live processes of this checkout's sandbox: its supervisor, and the worker and whatever the worker forked, which
+    keep the supervisor's command line. Another checkout's sandboxes (a `make book` beside the tests) do not count."""
+    child = os.fsencode(runner._CHILD)
+    count = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:  # empty for a zombie: it is dead, only not reaped
+                count += child in cmdline.read()
+        except OSError:
+            pass
+    return count
 
 
-def _uid_of(pid: str) -> int | None:
-    try:
-        return os.stat(f"/proc/{pid}").st_uid
-    except OSError:
-        return None
+def falls_to(count: int, within_s: float = 10.0) -> bool:
+    """Whether sandbox_processes() falls to `count` within `within_s`: killed processes take a moment to exit, longer
+    on a loaded machine, while one that survived the run stays."""
+    deadline = time.monotonic() + within_s
+    while sandbox_processes() > count:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def ended_by_its_limit(r: ExecResult) -> bool:
+    """A timeout the supervisor's own limits (wall clock or CPU time) ended, and ended in time: not the backstop,
+    which kills the supervisor itself timeout_s + GRACE_S after starting it (and would take longer than that)."""
+    return (r.status == "timeout" and "still running after" in r.stderr.splitlines()[-1]
+            and r.duration_s < T + runner.GRACE_S)
 
 
 # --- honest programs -------------------------------------------------------------------------------------------------
@@ -80,26 +97,27 @@ def test_main_block_does_not_run():
 
 # --- hostile programs -------------------------------------------------------------------------------------------------
 
+# Wall-clock bounds hold on a loaded machine: a run is bounded by the backstop (T + GRACE_S, 5 s of slack for start-up
+# and load), not by how fast this machine happens to be now.
+
 def test_infinite_loop_times_out():
     r = run("while True:\n    pass\n", ["assert True"])
-    assert r.status == "timeout" and not r.passed
-    assert r.duration_s < T + 2
+    assert not r.passed and ended_by_its_limit(r)
 
 
 def test_sleeping_forever_times_out():
     r = run("import time\ntime.sleep(10**6)\n", ["assert True"])
-    assert r.status == "timeout" and r.duration_s < T + 2
+    assert not r.passed and ended_by_its_limit(r)
 
 
 @pytest.mark.alone
 def test_fork_bomb_is_contained():
-    before = nobody_processes()
+    before = sandbox_processes()
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     r = run(bomb, ["assert True"])
     assert not r.passed and r.status in ("timeout", "exception", "killed")
-    assert r.duration_s < T + 3
-    time.sleep(0.2)
-    assert nobody_processes() <= before  # nothing it started survived
+    assert r.duration_s < T + runner.GRACE_S  # its supervisor ended it, not the backstop
+    assert falls_to(before)  # nothing it started survived
 
 
 def test_memory_bomb_is_contained():
@@ -125,7 +143,7 @@ def test_recursion_bombs_fail(program):
 def test_printing_gigabytes_is_capped():
     r = run("import sys\nwhile True:\n    sys.stdout.write('x' * (1 << 20))\n", ["assert True"])
     assert not r.passed and r.status == "exception" and "File too large" in r.stderr
-    assert len(r.stdout) < 2 * sandbox.TAIL_BYTES and "earlier bytes" in r.stdout
+    assert len(r.stdout) < 2 * runner.TAIL_BYTES and "earlier bytes" in r.stdout
 
 
 def test_network_is_unreachable():
@@ -160,7 +178,7 @@ def test_workdir_is_removed(tmp_path, monkeypatch):
     monkeypatch.setenv("CEL_SANDBOX_DISABLE", "mntns")
     # without mntns a Python under a 0700 /root leaves no uid drop, so files are unguarded: needs the opt-in
     monkeypatch.setenv("CEL_SANDBOX_UNISOLATED", "allow")
-    monkeypatch.setattr(sandbox.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(runner.tempfile, "tempdir", str(tmp_path))
     r = run("import os\nopen('junk', 'w').write('x')\nos.mkdir('d')\nopen('d/f', 'w').close()\nos.chmod('d', 0)\n")
     assert r.passed
     assert list(tmp_path.iterdir()) == []
@@ -279,15 +297,13 @@ def test_garbage_on_every_fd_does_not_hide_a_real_pass():
 
 @pytest.mark.alone
 def test_escaped_children_die_with_the_run():
-    before = nobody_processes()
+    before = sandbox_processes()
     daemon = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(300)\n"
               "    os._exit(0)\ntime.sleep(0.2)\n")
     r = run(daemon, ["assert True"])
     if "pidns" not in r.protections:
         pytest.skip("only a pid namespace takes a setsid() daemon down with the run")
-    time.sleep(0.2)
-    assert nobody_processes() <= before
-    assert "_sandbox_child.py" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert falls_to(before)  # the daemon, asleep for 300 s, would stay
 
 
 # --- protections and degradation --------------------------------------------------------------------------------------
@@ -339,12 +355,12 @@ def test_unknown_layer_name_is_an_error(monkeypatch):
 def count_executions(monkeypatch) -> list[int]:
     sandbox.isolation_report()  # the layers the cache key holds, probed once per process: not counted
     calls = [0]
-    real = sandbox._execute
+    real = runner._execute
 
     def counting(*args):
         calls[0] += 1
         return real(*args)
-    monkeypatch.setattr(sandbox, "_execute", counting)
+    monkeypatch.setattr(runner, "_execute", counting)
     return calls
 
 
@@ -378,7 +394,9 @@ def test_corrupt_cache_entry_is_recomputed(tmp_path, monkeypatch, damage):
         entry.write_text(json.dumps(record))
     again = run_program(ADD, ["assert add(1, 2) == 3"], timeout_s=T, cache=cache)
     assert calls[0] == 2 and again.passed and again.status == good.status
-    assert ExecCache(tmp_path).get(ExecCache.key(ADD, ["assert add(1, 2) == 3"], "", T, 1024)) is not None
+    key = ExecCache.key(ADD, ["assert add(1, 2) == 3"], "", T, sandbox.MEMORY_MB,
+                        sandbox.isolation_report()["protections"])
+    assert ExecCache(tmp_path).get(key) is not None
 
 
 def test_cache_dir_from_environment(tmp_path, monkeypatch):
@@ -389,7 +407,7 @@ def test_cache_dir_from_environment(tmp_path, monkeypatch):
 
 
 def test_errors_are_not_cached(tmp_path, monkeypatch):
-    monkeypatch.setattr(sandbox, "_CHILD", tmp_path / "missing.py")
+    monkeypatch.setattr(runner, "_CHILD", tmp_path / "missing.py")
     r = run_program(ADD, timeout_s=T, cache=ExecCache(tmp_path))
     assert r.status == "error" and not list(tmp_path.rglob("*.json"))
 
@@ -401,6 +419,5 @@ def test_run_many_keeps_order():
 
 
 @pytest.mark.alone
-def test_sandbox_leaves_no_processes_behind():
-    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    assert "_sandbox_child.py" not in out
+def test_sandbox_leaves_no_processes_behind():  # after the file's hostile programs
+    assert falls_to(0)

@@ -10,27 +10,29 @@ from pathlib import Path
 
 import pytest
 
-from cel_utils.evaluation import sandbox
-from cel_utils.evaluation.sandbox import ExecCache, ExecResult, run_program
+from cel_utils import sandbox
+from cel_utils.sandbox import ExecCache, ExecResult, run_program
+from cel_utils.sandbox import cache as exec_cache
+from cel_utils.sandbox import run as runner
 
 T = 2.0
 ADD = "def add(a, b):\n    return a + b\n"
 TESTS = ["assert add(1, 2) == 3"]
 LOOP = "while True:\n    pass\n"
 SLEEP = "import time\ntime.sleep(60)\n"
-pytestmark = pytest.mark.filterwarnings("ignore::cel_utils.evaluation.sandbox.SandboxWarning")  # degraded runs warn
+pytestmark = pytest.mark.filterwarnings("ignore::cel_utils.sandbox.SandboxWarning")  # degraded runs warn
 
 
 def count_executions(monkeypatch, first=None) -> list[str]:
-    """The programs sandbox._execute ran (after the isolation probe, which the cache key needs, has run);
+    """The programs the sandbox ran (after the isolation probe, which the cache key needs, has run);
     `first`, when given, stands in for the first run's result."""
     sandbox.isolation_report()
-    real, programs = sandbox._execute, []
+    real, programs = runner._execute, []
 
     def counting(*args):
         programs.append(args[0])
         return first if first is not None and len(programs) == 1 else real(*args)
-    monkeypatch.setattr(sandbox, "_execute", counting)
+    monkeypatch.setattr(runner, "_execute", counting)
     return programs
 
 
@@ -65,53 +67,66 @@ def test_a_real_timeout_is_reported_and_never_stored(tmp_path, monkeypatch):
 
 
 def test_the_retry_runs_alone_among_this_processes_sandboxes():
-    gate, events = sandbox._Gate(), []
-    running, release = threading.Event(), threading.Event()
+    # Ordered by events, not sleeps, so that a loaded machine only slows it down. A waiting thread cannot be observed
+    # waiting: a wrong gate is given `chance_s` to let it through, which on a loaded machine it might not use (the
+    # test then misses the error), but a right gate is never blamed.
+    gate, events, chance_s = runner._Gate(), [], 0.2
+    other_running, other_may_end = threading.Event(), threading.Event()
+    retry_running, retry_may_end = threading.Event(), threading.Event()
+    late_asking, late_running = threading.Event(), threading.Event()
 
     def other_run():
         with gate.shared():
-            running.set()
-            release.wait(5)
+            other_running.set()
+            other_may_end.wait(30)
             events.append("other run ends")
 
     def retry():
         with gate.alone():
             events.append("retry runs")
-            time.sleep(0.2)
+            retry_running.set()
+            retry_may_end.wait(30)
             events.append("retry ends")
 
     def late_run():
+        late_asking.set()
         with gate.shared():
+            late_running.set()
             events.append("late run starts")
-    threads = [threading.Thread(target=other_run)]
+
+    threads = [threading.Thread(target=run) for run in (other_run, retry, late_run)]
     threads[0].start()
-    running.wait(5)
-    threads.append(threading.Thread(target=retry))
+    assert other_running.wait(30)
     threads[1].start()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while not gate._alone and time.monotonic() < deadline:  # the retry has claimed the gate...
         time.sleep(0.01)
-    time.sleep(0.1)
-    assert events == []  # ...but waits for the run beside it
-    release.set()
-    time.sleep(0.05)
-    threads.append(threading.Thread(target=late_run))  # starts while the retry runs: must wait for it
-    threads[2].start()
+    assert gate._alone
+    assert not retry_running.wait(chance_s) and events == []  # ...but waits for the run beside it
+    other_may_end.set()
+    assert retry_running.wait(30)
+    threads[2].start()  # starts while the retry runs: must wait for it
+    assert late_asking.wait(30)
+    assert not late_running.wait(chance_s)
+    retry_may_end.set()
     for t in threads:
-        t.join(5)
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
     assert events == ["other run ends", "retry runs", "retry ends", "late run starts"]
 
 
-def test_the_key_holds_the_layers_in_force_and_the_python(monkeypatch):
+def test_the_key_holds_the_layers_in_force_the_python_and_the_limits(monkeypatch):
     here = sandbox.isolation_report()["protections"]
-    base = ExecCache.key(ADD, TESTS, "", T, 1024)
-    assert base == ExecCache.key(ADD, TESTS, "", T, 1024, protections=here)
-    assert base != ExecCache.key(ADD, TESTS, "", T, 1024, protections=[p for p in here if p != "netns"] or ["x"])
-    monkeypatch.setattr(sandbox, "_PYTHON", ["cpython", 3, 99, 0, "final", 0])
-    assert ExecCache.key(ADD, TESTS, "", T, 1024) != base
+    base = ExecCache.key(ADD, TESTS, "", T, 1024, here)
+    assert base == ExecCache.key(ADD, TESTS, "", T, 1024, list(reversed(here)))  # a set of layers
+    assert base != ExecCache.key(ADD, TESTS, "", T, 1024, [p for p in here if p != "netns"] or ["x"])
+    assert base != ExecCache.key(ADD, TESTS, "", T + 1, 1024, here)  # the limits make other verdicts
+    assert base != ExecCache.key(ADD, TESTS, "", T, 512, here)
+    monkeypatch.setattr(exec_cache, "_PYTHON", ["cpython", 3, 99, 0, "final", 0])
+    assert ExecCache.key(ADD, TESTS, "", T, 1024, here) != base
     monkeypatch.undo()
-    monkeypatch.setattr(sandbox, "SANDBOX_VERSION", "another")
-    assert ExecCache.key(ADD, TESTS, "", T, 1024) != base
+    monkeypatch.setattr(exec_cache, "SANDBOX_VERSION", "another")
+    assert ExecCache.key(ADD, TESTS, "", T, 1024, here) != base
 
 
 def test_a_result_from_other_layers_is_not_served(tmp_path, monkeypatch):
@@ -128,17 +143,17 @@ def test_a_result_from_other_layers_is_not_served(tmp_path, monkeypatch):
 
 def test_sandbox_version_is_a_hash_of_the_sandbox_code(tmp_path):
     here = Path(sandbox.__file__).parent
-    names = ["sandbox.py", *sorted(p.name for p in here.glob("_sandbox_*.py"))]
-    assert {"_sandbox_child.py", "_sandbox_isolation.py", "_sandbox_harness.py"} <= set(names)
+    names = sorted(p.name for p in here.glob("*.py"))
+    assert {"__init__.py", "run.py", "cache.py", "result.py", "child.py", "isolation.py", "harness.py"} <= set(names)
     for name in names:
         shutil.copy(here / name, tmp_path / name)
-    seen = {sandbox.source_version(tmp_path)}
+    seen = {exec_cache.source_version(tmp_path)}
     assert seen == {sandbox.SANDBOX_VERSION}  # the same code, the same version
     for name in names:  # any change to any of them is a new version
         original = (tmp_path / name).read_text()
         (tmp_path / name).write_text(original.replace("\n", "\n ", 1))
-        seen.add(sandbox.source_version(tmp_path))
+        seen.add(exec_cache.source_version(tmp_path))
         (tmp_path / name).write_text(original)
-    (tmp_path / "_sandbox_new.py").write_text("x = 1\n")  # and so is a new module beside them
-    seen.add(sandbox.source_version(tmp_path))
+    (tmp_path / "new.py").write_text("x = 1\n")  # and so is a new module beside them
+    seen.add(exec_cache.source_version(tmp_path))
     assert len(seen) == len(names) + 2

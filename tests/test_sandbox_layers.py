@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from cel_utils.evaluation import sandbox
-from cel_utils.evaluation.sandbox import run_many, run_program
+from cel_utils import sandbox
+from cel_utils.sandbox import run as runner
+from cel_utils.sandbox import run_many, run_program
 
 T = 2.0
 ADD = "def add(a, b):\n    return a + b\n"
 # as root with every namespace: the layers that keep code off our network, files and processes
 FULL = ("netns", "mntns", "pidns", "private-tmp", "private-proc", "uid-nobody", "rlimits", "session")
-pytestmark = pytest.mark.filterwarnings("ignore::cel_utils.evaluation.sandbox.SandboxWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::cel_utils.sandbox.SandboxWarning")
 
 
 def run(program: str, tests=(), **kw):
@@ -35,7 +36,7 @@ def test_protections_name_what_only_the_hook_guards(monkeypatch):
 def test_best_effort_sandbox_warns_once_per_process(monkeypatch):
     monkeypatch.setenv("CEL_SANDBOX_DISABLE", ",".join(x for x in sandbox.LAYERS if x != "audit"))
     monkeypatch.setenv("CEL_SANDBOX_UNISOLATED", "allow")  # the opt-in to such runs; refused without it
-    monkeypatch.setattr(sandbox, "_warned", set())
+    monkeypatch.setattr(runner, "_warned", set())
     with pytest.warns(sandbox.SandboxWarning, match="network, files and processes") as caught:
         results = run_many([{"program": ADD, "tests": ["assert add(1, 2) == 3"]}] * 3, timeout_s=T, cache=False)
     assert all(r.passed for r in results) and len(caught) == 1
@@ -49,7 +50,7 @@ def test_without_the_audit_hook_only_kernel_layers_remain(monkeypatch):
 
 
 def test_mount_points_are_unescaped(tmp_path):
-    from cel_utils.evaluation import _sandbox_isolation as isolation
+    from cel_utils.sandbox import isolation
 
     info = tmp_path / "mountinfo"
     info.write_bytes(b"27 1 254:0 / / rw - ext4 /dev/vda rw\n"

@@ -8,11 +8,11 @@ import socket
 
 import pytest
 
-from cel_utils.evaluation import sandbox
-from cel_utils.evaluation.sandbox import ExecCache, run_program
+from cel_utils import sandbox
+from cel_utils.sandbox import ExecCache, run_program
 
 T = 2.0
-pytestmark = pytest.mark.filterwarnings("ignore::cel_utils.evaluation.sandbox.SandboxWarning")  # opted-in runs warn
+pytestmark = pytest.mark.filterwarnings("ignore::cel_utils.sandbox.SandboxWarning")  # opted-in runs warn
 
 
 def test_without_the_opt_in_unguarded_code_is_refused_before_it_runs(monkeypatch, tmp_path):

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from cel_utils.evaluation.sandbox import run_program
+from cel_utils.sandbox import run_program
 
 T = 2.0
-pytestmark = pytest.mark.filterwarnings("ignore::cel_utils.evaluation.sandbox.SandboxWarning")  # degraded runs warn
+pytestmark = pytest.mark.filterwarnings("ignore::cel_utils.sandbox.SandboxWarning")  # degraded runs warn
 
 
 def connect_program(address: str) -> str:

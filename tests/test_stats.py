@@ -60,10 +60,13 @@ def test_bootstrap_interval_matches_a_plain_paired_bootstrap():
     assert high == pytest.approx(np.quantile(means, 0.975), abs=1.0)
 
 
-def test_no_change_gives_a_point_interval():
+def test_no_change_gives_an_exact_interval_not_a_point():
     same = np.array([1, 0, 1, 1], bool)
     test = paired_test(same, same)
-    assert (test.ci_low, test.ci_high, test.p_value, test.gain_points) == (0.0, 0.0, 1.0, 0.0)
+    assert (test.p_value, test.gain_points) == (1.0, 0.0)
+    # nothing changed on 4 items: at 95% up to 1 - 0.025^(1/4) = 60% of answers could change either way
+    assert test.ci_low == pytest.approx(-60.24, abs=0.01) and test.ci_high == -test.ci_low
+    assert test.interval.startswith("exact")
     with pytest.raises(ValueError, match="differ in length"):
         paired_test(same, same[:3])
 
@@ -238,7 +241,8 @@ def test_the_results_page_places_the_papers_gains_against_each_runs_interval_and
     page = results_page.results_markdown([artifact], paper)
     # BoolQ's printed gains: SmolLM3 +2.35 (inside [-0.5, +2.4]), Qwen2.5 +2.14 (inside), Llama +2.54 (above)
     assert ("SmolLM3-3B +2.35 (inside); Qwen2.5-3B-Instruct +2.14 (inside); Llama-3.2-3B-Instruct +2.54 (above)"
-            in page)
+            == results_page.paper_gains_against("boolq", -0.5, 2.4, paper))
+    assert "its interval holds the paper's gains of SmolLM3-3B, Qwen2.5-3B-Instruct but not the others" in page
     assert results_page.paper_gains_against("arithmetic_1dc", -2.0, 1.0, paper).endswith(
         "(the paper pools ten arithmetic configs)")
     assert "How often these holdouts were looked at" in page and "after an earlier main job had scored" in page
@@ -326,7 +330,7 @@ def test_results_page_shows_interval_p_value_null_and_stability(tmp_path):
                       "mean_gap_points": 28.1, "distinct_selections": 2}}
     write_json(tmp_path / "results" / "new.json", new)
     page = results_page.write_results_page(tmp_path / "results", tmp_path / "results.md").read_text()
-    assert "| boolq (acc) | 50.0 -> 75.0 (+25.0), 50.0%, 95% CI [-2.5, +50.0], p = 0.012 |" in page
+    assert "| tiny-model, boolq (seed 0) | 50.0 -> 75.0 (+25.0) | n/a | [-2.5, +50.0] | 0.012 |" in page
     assert "## Is the gain real?" in page and "100th pct of 4 (p = 0.20, the smallest 4 sets allow)" in page and "+50.0 -> +25.0" in page
     assert "75% of 4, Jaccard 0.75, holdout gains +12.5 .. +25.0" in page
     assert "p = 0.50" in page  # the old artifact: recomputed

@@ -43,7 +43,7 @@ def null_histogram(artifact: dict, ax=None):
                label=f"frozen {artifact['frozen']['label']}: {null['selected_gain_points']:+.1f}")
     ax.axvline(0.0, color="black", linewidth=0.8, linestyle=":")
     ax.set_xlabel("holdout gain (points)" if "n_items" not in null else
-                  f"gain on the holdout's first {null['n_items']} items (points)")
+                  f"gain on {null['n_items']} holdout items, a seeded random subset (points)")
     ax.set_ylabel("random sets")
     ax.legend(fontsize=8, loc="upper left")
     ax.set_title(f"holdout gains of {null['n_sets']} random sets of {null['size']} head(s)\nfrozen set at the "
@@ -78,7 +78,7 @@ def stability_figure(artifact: dict, top: int = 12):
     gains = {"resampled selections": stab["holdout_gains_points"]}
     null = _reliability(artifact, "null")
     if null:
-        gains["random sets" if "n_items" not in null else f"random sets\n(first {null['n_items']} items)"] = null["gains_points"]
+        gains["random sets" if "n_items" not in null else f"random sets\n({null['n_items']} random items)"] = null["gains_points"]
     import pandas as pd
 
     frame = pd.DataFrame([(group, g) for group, values in gains.items() for g in values], columns=["", "holdout gain (points)"])

@@ -10,15 +10,18 @@ from pathlib import Path
 
 import pandas as pd
 
-from cel_utils.book.run_page import power_of, run_stem, significance, tied_at_top, verdict_of
+from cel_utils.book.claims import first_looks, primary_family, run_key, second_look
+from cel_utils.book.run_page import (answer_profile, floor_rows, margin_text, power_of, run_stem, significance,
+                                     tied_at_top, verdict_of, verdict_word)
 from cel_utils.book.paper_comparison import PAPER_COMPUTED_MARK, PAPER_MODELS, hour_note, paper_cell, paper_rer, side_by_side
 from cel_utils.book.strategies_page import strategies_section
 from cel_utils.book.transfer_page import transfer_section
-from cel_utils.book.text import ci_text, md_table, ordinal, p_is, provenance_text, rer_text, transition_text
+from cel_utils.book.text import ci_text, md_table, ordinal, p_is, p_text, pct, provenance_text, rer_text, transition_text
 from cel_utils.config import BOOK_SEED, TASK_FAMILIES, task_family, task_sort_key
 from cel_utils.paths import atomic_write
 from cel_utils.pipeline.artifacts import load_artifacts
 from cel_utils.pipeline.transfer import load_transfers
+from cel_utils.stats.power import ALPHA
 from cel_utils.tasks.scoring import relative_error_reduction
 
 PAPER_TITLE = "Can Capability Enhancement Be Localized to Specific Attention Heads?"
@@ -26,11 +29,15 @@ TASK_ORDER = TASK_FAMILIES  # the book's task order
 
 
 def summarize(artifacts: list[dict], runs_dir: Path | None = None) -> pd.DataFrame:
-    """One row per artifact with every column the results page shows."""
+    """One row per artifact with every column the results page shows; every run's test is adjusted among all of them
+    (:func:`cel_utils.book.claims.primary_family`)."""
+    family = primary_family(artifacts)
+    looks = first_looks()
     rows = []
     for art in artifacts:
         h, stem = art["holdout"], run_stem(art)
         page = runs_dir is not None and (Path(runs_dir) / f"{stem}.ipynb").exists()
+        adjusted = family.get(run_key(art))
         rows.append({
             "task": art["task"]["name"], "model": art["model"]["name"], "seed": art["config"]["seed"],
             "metric": art["task"]["metric"], "n_discovery": art["data"].get("n_discovery"), "n_holdout": h["n_items"],
@@ -41,11 +48,14 @@ def summarize(artifacts: list[dict], runs_dir: Path | None = None) -> pd.DataFra
             "rel_error_reduction": rer_text(relative_error_reduction(100 * h["full_accuracy"], 100 * h["ablated_accuracy"])),
             "heads": h["heads_label"], "data": provenance_text(art["data"]),
             "engine": art["config"].get("engine", "?"), "stem": stem, "page": bool(page),
-            **_reliability_columns(art),
+            "family": adjusted.to_json() if adjusted else None, "second_look": second_look(art, looks),
+            **_reliability_columns(art, adjusted.to_json() if adjusted else None),
         })
     columns = ["task", "model", "seed", "metric", "n_discovery", "n_holdout", "p", "k", "full", "ablated", "gain_points",
-               "holdout", "rel_error_reduction", "heads", "data", "engine", "stem", "page", "ci_low", "ci_high", "ci", "p_value",
-               "null_text", "curse_text", "stability_text", "verdict", "stage1", "power_text", "calibration_text"]
+               "holdout", "rel_error_reduction", "heads", "data", "engine", "stem", "page", "family", "second_look",
+               "ci_low", "ci_high", "ci", "p_value", "null_text", "curse_text", "stability_text", "verdict", "kind",
+               "word", "at_floor", "floor_text", "floor", "stage1", "power_text", "calibration_text", "margin_text",
+               "control_text", "control_gain", "answers_text"]
     table = pd.DataFrame(rows, columns=columns)
     if table.empty:
         return table
@@ -53,22 +63,40 @@ def summarize(artifacts: list[dict], runs_dir: Path | None = None) -> pd.DataFra
     return table.iloc[order].reset_index(drop=True)
 
 
-def _reliability_columns(art: dict) -> dict:
-    """Text cells for the results page from a run's significance, null, winner's curse and stability."""
+def _reliability_columns(art: dict, family: dict | None = None) -> dict:
+    """Text cells for the results page from a run's significance, floors, control, null, winner's curse and stability.
+    ``ci_low``/``ci_high`` are the interval quoted against other numbers: the family-adjusted one when there is a
+    family of more than one."""
     sig, rel = significance(art), art.get("reliability") or {}
     null, curse, stab = rel.get("null"), rel.get("winners_curse"), rel.get("stability")
-    tied, power, verdict, cal = tied_at_top(art)[0], power_of(art), verdict_of(art), rel.get("calibration")
+    tied, power, cal = tied_at_top(art)[0], power_of(art), rel.get("calibration")
+    verdict = verdict_of(art, family)
     method = art.get("stage1_method") or {"method": "exact"}
+    floors = floor_rows(art)
+    floor = max(floors, key=lambda r: r[1]) if floors else None
+    wide = family is not None and family["m"] > 1
+    control = art.get("control")
     return {
-        "verdict": verdict["text"] if verdict else "n/a",
+        "verdict": verdict["text"] if verdict else "n/a", "kind": verdict["kind"] if verdict else "n/a",
+        "word": verdict_word(verdict) if verdict else "n/a", "at_floor": bool(verdict and verdict.get("at_floor")),
+        "floor": floor[1] if floor else None,
+        "floor_text": f"{pct(floor[1])} ({floor[0]})" if floor else "n/a",
         "stage1": "exact" if method["method"] == "exact" else f"{method['screen']}, m = {method['keep']}",
         "power_text": ("n/a" if power is None else "none detectable" if power["min_detectable_gain_points"] is None
                        else f"{power['min_detectable_gain_points']:.1f} points"),
         "calibration_text": calibration_text(cal),
         "ci": ci_text(sig), "p_value": sig["p_value"] if sig else float("nan"),
-        "ci_low": sig["ci_low"] if sig else None, "ci_high": sig["ci_high"] if sig else None,
+        "ci_low": (family["ci_low"] if wide else sig["ci_low"]) if sig else None,
+        "ci_high": (family["ci_high"] if wide else sig["ci_high"]) if sig else None,
+        "margin_text": margin_text(rel["margin"]) if rel.get("margin") else "n/a",
+        "control_text": (f"{pct(control['accuracy'])} ({control['vs_full']['gain_points']:+.1f}); "
+                         f"{control['ablation']} - {(art.get('config') or {}).get('ablation', 'zero')} "
+                         f"{control['vs_search']['gain_points']:+.1f}, {p_is(control['vs_search']['p_value'])}"
+                         if control else "n/a"),
+        "control_gain": control["vs_full"]["gain_points"] if control else None,
+        "answers_text": answer_profile(art),
         "null_text": (f"{ordinal(null['percentile'])} pct of {null['n_sets']}"
-                      + (f" on {null['n_items']} items" if "n_items" in null else "") + f" ({p_is(null['p_value'])}"
+                      + (f" on {null['n_items']} random items" if "n_items" in null else "") + f" ({p_is(null['p_value'])}"
                       + (f", the smallest {null['n_sets']} sets allow" if null["p_value"] <= 1 / (null["n_sets"] + 1) + 1e-12
                          else "") + ")"
                       if null else "not run"),
@@ -93,7 +121,8 @@ def calibration_text(cal: dict | None) -> str:
 
 
 def paper_gains_against(task: str, ci_low: float | None, ci_high: float | None, paper_rows: list[dict]) -> str:
-    """The paper's Table 1 gains for ``task``'s family (three models), each placed against this run's 95% interval."""
+    """The paper's Table 1 gains for ``task``'s family (three models), each placed against this run's interval (the
+    family-adjusted one, as summarize gives it)."""
     family = task_family(task)
     rows = [r for r in paper_rows if r["task"] == family]
     if not rows or ci_low is None or ci_high is None:
@@ -119,77 +148,100 @@ def _link(text: str, row, link_prefix: str) -> str:
     return f"[{text}]({link_prefix}{row.stem}.ipynb)" if row.page else text
 
 
+SECOND_LOOK_MARK = "†"
+
+
+def _run_label(row, link_prefix: str) -> str:
+    label = f"{row.model}, {row.task}" + (f" (seed {row.seed})" if row.seed != BOOK_SEED else "")
+    return _link(label, row, link_prefix) + (f" {SECOND_LOOK_MARK}" if row.second_look else "")
+
+
+def family_sentence(table: pd.DataFrame) -> str:
+    """How many of the primary tests are significant alone and after Holm's adjustment, and how many would be by
+    chance alone."""
+    m = int(table.family.notna().sum())
+    if m == 0:
+        return ""
+    raw = int((table.p_value <= ALPHA).sum())
+    adjusted = int(sum(f["p_adjusted"] <= ALPHA for f in table.family if f))
+    floor = int(table.at_floor.sum())
+    return (f"These {m} runs are one family of tests. Alone, {raw} of them {'is' if raw == 1 else 'are'} significant at "
+            f"p ≤ {ALPHA:g}; if no ablation changed anything, {ALPHA * m:.1f} would be on average by chance. After "
+            f"Holm's adjustment for the {m} tests, {adjusted} {'is' if adjusted == 1 else 'are'}. The intervals quoted "
+            f"here are Bonferroni's (each at {100 * (1 - ALPHA / m):.2f}%, so that all {m} hold together at 95%); "
+            f"[the method](method.md#many-tests-one-family) says why. In {floor} of the {m} runs the full model is "
+            "not above its floor, the best trivial answer on the same items, and the verdict says so first.")
+
+
 def results_markdown(artifacts: list[dict], paper_rows: list[dict], runs_dir: Path | None = None,
                      link_prefix: str = "runs/", source_note: str = "", strategies: list[dict] | None = None,
                      transfers: list[dict] | None = None) -> str:
-    """The results page (MyST Markdown): our Table 1, every run in detail, and the paper's reference."""
+    """The results page (MyST Markdown): the verdicts, floors and control, each run's checks, the transfer matrices,
+    and the paper's reference."""
     table = summarize(artifacts, runs_dir)
     out = ["# Results", "",
            "Each run searches a discovery set for at most *k* heads whose zero-ablation helps most (see "
            "[the method](method.md)), freezes them, and scores them once on a disjoint holdout. A cell reads "
            "**full -> ablated (gain)**: holdout accuracy in percent of the full model, of the model with the frozen "
-           "heads ablated, and the difference in points. The relative error reduction is gain / (100 - full). "
-           "Click a cell for the run's page: the stage-1 heat map, the pool, the best subsets and the flipped examples.",
-           ""]
+           "heads ablated, and the difference in points. Click a run for its page.", ""]
     if table.empty:
         out += ["```{note}", "No runs yet. Run `python -m cel_utils grid` (or `python -m cel_utils main`), then rebuild the book.",
                 "```", ""]
     else:
-        verdicts = [[r.task, f"{r.model}, seed {r.seed}", f"{r.n_discovery} / {r.n_holdout}", r.stage1,
-                     _link(r.verdict, r, link_prefix), paper_gains_against(r.task, r.ci_low, r.ci_high, paper_rows)]
+        verdicts = [[_run_label(r, link_prefix), r.holdout, r.floor_text,
+                     f"[{r.ci_low:+.1f}, {r.ci_high:+.1f}]" if r.ci_low is not None else "n/a", p_text(r.p_value),
+                     p_text(r.family["p_adjusted"]) if r.family else "n/a", f"**{r.word}**", r.control_text]
                     for r in table.itertuples()]
+        adjusted_level = f"{100 * (1 - ALPHA / max(1, len(table))):.2f}%"
         out += ["## Verdicts", "",
-                "What each run shows, from its paired holdout test (exact McNemar, 95% bootstrap interval). A result "
-                "that is not significant rules out only the effects outside its interval; the smallest change the test "
-                "detects with 80% power describes the design, not the effect. For multiple choice the ablation is "
-                "weighed against the better of the full model and a calibration baseline (the full model with answer "
-                "offsets fitted on the discovery items, the cheapest fix of a response bias; see "
-                "[beyond the paper](beyond.md)). The last column places the paper's own gains for the task (its Table 1, "
-                "three 3B models) against the run's 95% interval.", "",
-                md_table(["task", "model", "discovery / holdout items", "stage 1", "verdict",
-                          "the paper's gains (Table 1) against this run's 95% CI"], verdicts), ""]
-        out += _forking_paths_note(set(int(seed) for seed in table.seed))
-        models = list(dict.fromkeys(table.model))
-        tasks = sorted(dict.fromkeys(table.task), key=task_sort_key)
-        body = []
-        for task in tasks:
-            cells = []
-            for model in models:
-                runs = table[(table.task == task) & (table.model == model)]
-                texts = [_link(r.holdout, r, link_prefix) + f", {r.rel_error_reduction}"
-                         + (f", {r.ci}" if r.ci else "") + (f" (seed {r.seed})" if len(runs) > 1 else "")
-                         for r in runs.itertuples()]
-                cells.append("; ".join(texts) if texts else "")
-            metric = table[table.task == task].metric.iloc[0]
-            body.append([f"{task} ({metric})"] + cells)
-        out += ["## Table 1: holdout accuracy, full -> ablated (gain), relative error reduction", "",
-                "Where a run stores its per-item holdout outcomes, the cell also gives the gain's 95% paired bootstrap "
-                "interval and the exact McNemar p-value (see [beyond the paper](beyond.md)).", "",
-                md_table(["task (metric)"] + models, body), ""]
-        detail = [[r.task, f"{r.model}, seed {r.seed}", _link(r.holdout, r, link_prefix), r.rel_error_reduction,
-                   f"`{r.heads}`", f"{r.n_discovery} / {r.n_holdout}, p={r.p}, k={r.k}", r.data]
+                f"One row per run: the holdout result, the floor (the best trivial answer on the same items: chance or "
+                f"always giving one answer), the gain's interval adjusted for the {len(table)} runs ({adjusted_level} "
+                "each, 95% together), the exact McNemar p alone and after Holm's adjustment, the verdict, and the "
+                "control: the same heads mean-ablated (replaced by their mean over the discovery items' tokens), its "
+                "accuracy and change from the full model, and its difference from zero-ablation with the paired p."
+                + (f" {SECOND_LOOK_MARK} marks a second look at a holdout pool (below)." if table.second_look.any()
+                   else ""), "",
+                md_table(["run", "full -> ablated (gain)", "floor", "gain, adjusted CI", "p", "Holm p", "verdict",
+                          "control: mean-ablated (gain); mean - zero, p"], verdicts), "",
+                family_sentence(table), ""]
+        answers = [f"* **{r.model}, {r.task}:** {r.answers_text}" for r in table.itertuples() if r.answers_text]
+        if answers:
+            out += ["Where the answers are one fixed set (BoolQ's *no* / *yes*), a gain may be a shift of response "
+                    "bias; the answer shares show it:", "", *answers, ""]
+        out += _forking_paths_note(set(int(seed) for seed in table.seed), table)
+        out += ["## Each verdict in words", "",
+                "The verdict of each run, worded by the code from its numbers, with its family (the runs above).", "",
+                *[f"* **{_run_label(r, link_prefix)}:** {r.verdict}." for r in table.itertuples()], ""]
+        controls = [[_run_label(r, link_prefix), f"`{r.heads}`", r.holdout, r.control_text]
+                    for r in table.itertuples()]
+        out += ["## Zero-ablation against its control", "",
+                "A zero vector is a state the model never produced, and the frozen sets include heads of the first "
+                "layers, whose outputs every later layer reads. Each run therefore also scores its frozen set with the "
+                "heads mean-ablated, on the same holdout items; a gain that needs the zero vector is not one that the "
+                "heads' removal alone explains.", "",
+                md_table(["run", "heads", "zero-ablated: full -> ablated (gain)",
+                          "mean-ablated (gain); mean - zero, paired p"], controls), "",
+                *control_sentences(table), ""]
+        detail = [[r.task, f"{r.model}, seed {r.seed}", r.rel_error_reduction, f"`{r.heads}`",
+                   f"{r.n_discovery} / {r.n_holdout}, p={r.p}, k={r.k}", r.stage1, r.data]
                   for r in table.itertuples()]
         out += ["## Every run", "",
-                "The frozen heads, the sizes (discovery / holdout items), the search parameters (pool *p*, budget *k*) "
-                "and where the items came from (hub, local mirror, or generated, with any fallback).",
-                "", md_table(["task", "model", "full -> ablated (gain)", "rel. error red.", "heads",
-                               "items, search", "data"], detail), ""]
-        checks = [[r.task, f"{r.model}, seed {r.seed}", r.ci or "n/a", r.power_text, r.calibration_text, r.null_text,
-                   r.curse_text, r.stability_text] for r in table.itertuples()]
+                "The frozen heads, the relative error reduction (gain / (100 - full)), the sizes (discovery / holdout "
+                "items), the search parameters (pool *p*, budget *k*), how stage 1 ran and where the items came from.",
+                "", md_table(["task", "model", "rel. error red.", "heads", "items, search", "stage 1", "data"], detail), ""]
+        checks = [[r.task, f"{r.model}, seed {r.seed}", r.ci or "n/a", r.power_text, r.margin_text,
+                   r.calibration_text, r.null_text, r.curse_text, r.stability_text] for r in table.itertuples()]
         out += ["## Is the gain real?", "",
-                "Per run: the holdout gain's paired 95% interval and exact McNemar p-value; the smallest change that test "
-                "detects with 80% power; the gain of the calibration baseline (multiple choice) and the paired test of "
-                "the ablation against it; the frozen set's place among "
-                "random head sets of the same size on the same holdout (percentile, empirical one-sided p); the discovery "
-                "gain against the holdout gain (the winner's curse), with the number of evaluated sets that tie with the "
-                "frozen one on discovery when there is more than one (the ranking's last keys, fewer heads and lower head "
-                "ids, then chose among them); and how often the whole selection picks the same set "
-                "again on resampled discovery sets, how much the selections overlap (mean pairwise Jaccard) and the range "
-                "of their holdout gains. [Beyond the paper](beyond.md) defines each.",
-                "", md_table(["task", "model", "gain: 95% CI, McNemar p",
-                               "smallest detectable change (80% power)", "calibration baseline's gain",
-                               "vs random sets", "discovery -> holdout gain",
-                               "frozen set re-selected, overlap, holdout gains"], checks), ""]
+                "Per run, each test alone: the holdout gain's 95% interval and exact McNemar p; the smallest change that "
+                "test detects with 80% power (the design, not a bound on the effect); the mean change of the gold "
+                "answer's margin, a secondary measure that sees every item move, not only the flips; the calibration "
+                "baseline (multiple choice); the frozen set's place among random head sets of the same size "
+                "(percentile, empirical one-sided p); the discovery gain against the holdout gain (the winner's curse); "
+                "and how often the whole selection picks the same set on resampled discovery sets. "
+                "[Beyond the paper](beyond.md) defines each.",
+                "", md_table(["task", "model", "gain: 95% CI, McNemar p", "smallest detectable change (80% power)",
+                               "gold answer's margin (secondary)", "calibration baseline's gain", "vs random sets",
+                               "discovery -> holdout gain", "frozen set re-selected, overlap, holdout gains"], checks), ""]
     out += transfer_section(transfers or [])
     out += strategies_section(strategies or [], task_sort_key)
     out += _paper_section(paper_rows, table)
@@ -199,24 +251,41 @@ def results_markdown(artifacts: list[dict], paper_rows: list[dict], runs_dir: Pa
     return "\n".join(out).rstrip() + "\n"
 
 
-def _forking_paths_note(seeds: set[int]) -> list[str]:
+def control_sentences(table: pd.DataFrame) -> list[str]:
+    """What the control shows across the runs, from the numbers."""
+    rows = [r for r in table.itertuples() if r.control_gain is not None]
+    if not rows:
+        return ["No run of this book stores a control (artifacts written before it existed)."]
+    return [f"Across the {len(rows)} runs the mean-ablated set changes the full model's accuracy by "
+            f"{min(r.control_gain for r in rows):+.1f} to {max(r.control_gain for r in rows):+.1f} points, against "
+            f"{min(r.gain_points for r in rows):+.1f} to {max(r.gain_points for r in rows):+.1f} for zero-ablation; "
+            "each run's page gives the paired test of the two."]
+
+
+def _forking_paths_note(seeds: set[int], table: pd.DataFrame | None = None) -> list[str]:
     """How the holdouts shown here have been looked at: the disclosure a reader needs to weigh the verdicts. Runs of
-    :data:`BOOK_SEED` (the main job's) are single looks; runs of seed 0 are not."""
+    :data:`BOOK_SEED` (the main job's) are single looks except those in data/first_looks.json; runs of seed 0 are
+    not."""
     text = ["Each holdout is meant to be scored once, after the search is frozen. The policy for every preset decision "
             "(screen, *m*, sizes) is that it comes from discovery-only benchmarks (`benchmarks/bench_screening.py`: a "
             "screen is kept when it reproduces exhaustive stage 1 on the discovery items) and from timings, never from "
             "a holdout score."]
     if BOOK_SEED in seeds:
+        looks = first_looks()
+        shown = [look for look in looks if table is None or any(
+            (r.model, r.task, int(r.seed)) == (look["model"], look["task"], look["seed"]) for r in table.itertuples())]
         text.append(f"The main job draws its items with seed {BOOK_SEED}, which no screen or *m* decision has seen: "
-                    f"those were made on seed 0's items. One sizing decision came after seed-{BOOK_SEED} holdouts had "
-                    "been scored: the first seed-1 main job (the default model alone, BoolQ and HellaSwag holdouts of "
-                    "500 items) found BoolQ +12.0 points (95% CI [+6.0, +18.0], L1.H3+L2.H4, below its calibration "
-                    "baseline) and HellaSwag -1.8 (95% CI [-3.4, -0.4], L9.H6); to fit the second model into the hour, "
-                    "chosen from timings alone, those two holdouts were then cut to 300 items, which also changed their "
-                    "discovery items (both are drawn from one pool, holdout first), so the search froze other sets. "
-                    "Gemma's BoolQ run, first scored on 200 holdout items (-2.0 points, 95% CI [-4.5, +0.0], L12.H1), "
-                    "likewise moved to 500 items and to the screen its own benchmark supports. Those three verdicts "
-                    "are a second look at the same pool; the other runs kept their items and frozen sets.")
+                    "those were made on seed 0's items.")
+        if shown:
+            firsts = "; ".join(f"{look['model']} on {look['task']}: {look['n_holdout']} holdout items, "
+                               f"{look['gain_points']:+.1f} points (95% CI [{look['ci_low']:+.1f}, {look['ci_high']:+.1f}]"
+                               f", `{look['heads']}`{', ' + look['note'] if look['note'] else ''}), then {look['why']}"
+                               for look in shown)
+            text.append(f"{len(shown)} sizing decision(s) came after seed-{BOOK_SEED} holdouts had been scored, each "
+                        f"chosen from timings or a discovery-only benchmark, never from the holdout score: {firsts}. "
+                        f"Those {len(shown)} verdicts (marked {SECOND_LOOK_MARK}) are a second look at the same pool; "
+                        "the other runs kept their items and frozen sets. The first looks are recorded in "
+                        "`data/first_looks.json`.")
     if seeds - {BOOK_SEED}:
         text.append("Seed 0 is not that clean: the `cpu` preset's BoolQ screen was switched from `boundary` (m = 8) to "
                     "`attribution` (m = 20) after an earlier main job had scored the boundary screen's frozen set on "

@@ -35,7 +35,7 @@ def run_overview(artifact: dict) -> pd.DataFrame:
     rows = {
         "model": f"{model['name']} ({model['source'].get('kind', '?')}: {cfg['model']})",
         "heads": f"{geo['n_layers']} layers x {geo['n_heads']} query heads ({geo['n_kv_heads']} KV heads), head_dim {geo['head_dim']}",
-        "weights": f"{model['dtype']} on {model['device']}, fingerprint {model['fingerprint']}",
+        "weights": weights_text(artifact),
         "precision": precision_text(artifact),
         "task": f"{artifact['task']['name']} (primary metric {artifact['task']['metric']}, prompt format {cfg['fmt']})",
         "items": f"{data.get('n_discovery')} discovery, {data.get('n_holdout')} holdout, {data.get('num_fewshot')} few-shot",
@@ -49,6 +49,42 @@ def run_overview(artifact: dict) -> pd.DataFrame:
                      f"null and stability {timings.get('reliability_s', 0.0):.1f} s)",
     }
     return pd.DataFrame({"": list(rows.values())}, index=pd.Index(list(rows), name="run"))
+
+
+def quantization(source: dict) -> str | None:
+    """The GGUF quantization a model's weights were made from (``Q4_1``, ``Q4_K_M``), read from its file name; None
+    for weights that were not a GGUF file."""
+    import re
+
+    name = Path(source.get("gguf", "")).name
+    found = re.search(r"(?i)[._-](q\d+_[a-z0-9_]+?|f16|bf16|f32)\.gguf$", name)
+    return found.group(1).upper() if found else None
+
+
+QUANT_BITS = {"Q4": "4-bit", "Q5": "5-bit", "Q6": "6-bit", "Q8": "8-bit", "F16": "16-bit", "BF16": "16-bit",
+              "F32": "32-bit"}
+
+
+def weights_text(artifact: dict) -> str:
+    """What the weights are: for a GGUF model, its quantization (these are 4-bit models' heads), then the dtype they
+    were dequantized to and computed in."""
+    model = artifact["model"]
+    quant = quantization(model.get("source") or {})
+    bits = QUANT_BITS.get((quant or "").split("_")[0], "quantized")
+    made = (f"{bits} GGUF ({quant}) dequantized to {model['dtype']}" if quant else model["dtype"])
+    return f"{made} on {model['device']}, fingerprint {model['fingerprint']}"
+
+
+def interval_name(sig: dict) -> str:
+    """How the gain's interval was found, in a few words."""
+    return "exact (few changed answers)" if sig.get("interval", "").startswith("exact") else "paired bootstrap"
+
+
+def margin_text(margin: dict) -> str:
+    """The secondary measure in one line: the mean change of the gold answer's margin with its interval."""
+    return (f"{margin['mean_change']:+.3g} {margin['unit'].split(' (')[0]} on average (95% CI "
+            f"[{margin['ci_low']:+.3g}, {margin['ci_high']:+.3g}]), up on {100 * margin['share_up']:.0f}% of "
+            f"{margin['n_items']} items")
 
 
 def precision_text(artifact: dict) -> str:
@@ -138,7 +174,7 @@ def holdout_sentence(artifact: dict) -> str:
 
 def sandbox_note(artifact: dict) -> str:
     """A warning when the run's model-written code (MBPP) ran in a sandbox with only best-effort layers somewhere
-    (:func:`cel_utils.evaluation.sandbox.isolation_report`, stored by the run); empty otherwise."""
+    (:func:`cel_utils.sandbox.isolation_report`, stored by the run); empty otherwise."""
     warning = (artifact.get("sandbox") or {}).get("warning")
     return f"**Warning: best-effort sandbox.** This run executed model-written code, and {warning}." if warning else ""
 
@@ -168,14 +204,12 @@ def selection_note(artifact: dict) -> str:
 
 
 def significance(artifact: dict) -> dict | None:
-    """The holdout's paired test: stored by the run, else computed from the stored per-item vectors (artifacts
-    written before the test existed), else None."""
-    stored = (artifact.get("reliability") or {}).get("significance")
-    if stored:
-        return stored
+    """The holdout's paired test, computed by today's code from the stored per-item vectors (the same seed stream as
+    the run's, so the same numbers wherever the method did not change since; a run stored before the exact interval
+    for few changed answers gets it here); the stored test only where the vectors are missing, else None."""
     h = artifact["holdout"]
     if "full_correct" not in h:
-        return None
+        return (artifact.get("reliability") or {}).get("significance")
     from cel_utils.stats.significance import CI_STREAM, paired_test
 
     return paired_test(h["full_correct"], h["ablated_correct"], seed=[artifact["config"]["seed"], CI_STREAM]).to_json()
@@ -193,22 +227,29 @@ def power_of(artifact: dict) -> dict | None:
     return power_json(h["n_items"], discordant(h["full_correct"], h["ablated_correct"]))
 
 
-def verdict_of(artifact: dict) -> dict | None:
+def verdict_of(artifact: dict, family: dict | None = None) -> dict | None:
     """The run's one-line verdict (:func:`cel_utils.stats.power.verdict`), worded by the code that builds the page from
     the artifact's numbers, so that a page never repeats wording since found to claim more than the numbers support;
-    the stored text only where the numbers are missing."""
+    the stored text only where the numbers are missing. ``family``: the run's place among the tests it is shown with
+    (:mod:`cel_utils.book.claims`); None: a family of one."""
     rel = artifact.get("reliability") or {}
     sig, power = significance(artifact), power_of(artifact)
     if sig is None or power is None:
         return rel.get("verdict")
     from cel_utils.stats.power import verdict
 
-    return verdict(sig, power, rel.get("calibration"))
+    h = artifact["holdout"]
+    return verdict(sig, power, rel.get("calibration"), floors=artifact.get("floors"),
+                   accuracies=(h["full_accuracy"], h["ablated_accuracy"]), family=family)
 
 
-def verdict_sentence(artifact: dict) -> str:
-    found = verdict_of(artifact)
-    return f"**Verdict: {found['text']}.**" if found else ""
+def verdict_sentence(artifact: dict, family: dict | None = None) -> str:
+    found = verdict_of(artifact, family)
+    if not found:
+        return ""
+    alone = "" if family and family["m"] > 1 else (
+        " This page tests the run alone; the results page adjusts its p-value for every run the book shows.")
+    return f"**Verdict: {found['text']}.**{alone}"
 
 
 def reliability_sentence(artifact: dict) -> str:
@@ -220,8 +261,8 @@ def reliability_sentence(artifact: dict) -> str:
              f"{sig['help']} item(s) helped against {sig['harm']} harmed, out of {sig['n_items']}."]
     null = rel.get("null")
     if null:
-        where = (f"on the holdout's first {null['n_items']} items (where the frozen set gained "
-                 f"{null['selected_gain_points']:+.1f})" if "n_items" in null else "on the same holdout")
+        where = (f"on {null['n_items']} holdout items drawn at random with the run's seed (where the frozen set "
+                 f"gained {null['selected_gain_points']:+.1f})" if "n_items" in null else "on the same holdout")
         parts.append(f"Among **{null['n_sets']} random sets of {null['size']} head(s)** scored {where}, the "
                      f"frozen set's gain is at the **{ordinal(null['percentile'])} percentile** (empirical one-sided "
                      f"{p_is(null['p_value'])}; random sets' median {null['quantiles']['median']:+.1f}).")
@@ -240,15 +281,18 @@ def reliability_table(artifact: dict) -> pd.DataFrame:
         rows["verdict"] = verdict_of(artifact)["text"]
     if sig:
         rows["holdout gain (points)"] = f"{sig['gain_points']:+.2f}"
-        rows[f"{round(100 * sig['confidence'])}% CI, paired bootstrap"] = f"[{sig['ci_low']:+.2f}, {sig['ci_high']:+.2f}]"
+        rows[f"{round(100 * sig['confidence'])}% CI, {interval_name(sig)}"] = f"[{sig['ci_low']:+.2f}, {sig['ci_high']:+.2f}]"
         rows["exact McNemar p (two-sided)"] = p_text(sig["p_value"])
         rows["helped / harmed items"] = f"{sig['help']} / {sig['harm']} of {sig['n_items']}"
     power = power_of(artifact)
     if power:
         mdg = power["min_detectable_gain_points"]
-        rows[f"smallest change detectable ({100 * power['power']:.0f}% power)"] = (
+        rows[f"smallest change detectable ({100 * power['power']:.0f}% power; the design, not a bound)"] = (
             f"{mdg:.1f} points, with {power['n_discordant']} of {power['n_items']} answers changed" if mdg is not None else
             f"none: only {power['n_discordant']} of {power['n_items']} answers changed")
+    margin = rel.get("margin")
+    if margin:
+        rows["gold answer's margin, ablated - full (secondary)"] = margin_text(margin)
     if rel.get("calibration"):
         cal, versus = rel["calibration"], rel["calibration"]["ablation_vs_calibration"]
         kept = (f"{cal['n_groups']} group(s) kept by {cal['folds']}-fold cross-validation" if "n_groups" in cal
@@ -263,7 +307,7 @@ def reliability_table(artifact: dict) -> pd.DataFrame:
     if rel.get("null"):
         n = rel["null"]
         q = n["quantiles"]
-        on = f" on the first {n['n_items']} holdout items" if "n_items" in n else ""
+        on = f" on {n['n_items']} holdout items (a seeded random subset)" if "n_items" in n else ""
         rows["random sets of the same size"] = (f"{n['n_sets']} sets of {n['size']}{on}: median {q['median']:+.2f}, "
                                                 f"range [{q['min']:+.2f}, {q['max']:+.2f}]")
         rows["frozen set among them"] = f"{n['percentile']:.1f}th percentile, empirical {p_is(n['p_value'])}"
@@ -314,3 +358,127 @@ def show_flips(table: pd.DataFrame):
 
         return Markdown("No holdout item flipped: the ablated and full models agree on every item.")
     return styled(table, monospace=True, index=False)
+
+
+# --- Floors, answer shares and the zero-ablation control (issue 42) ----------------------------------------------
+
+def floor_rows(artifact: dict) -> list[tuple[str, float | None, str]]:
+    """(what, accuracy as a fraction or None, note) for the trivial baselines of the run's holdout items."""
+    floors = artifact.get("floors")
+    if not floors:
+        return []
+    rows = []
+    if floors.get("chance") is not None:
+        rows.append(("chance", floors["chance"], "a uniformly random answer"))
+    best = floors.get("best_constant")
+    if best:
+        from cel_utils.stats.power import floor_name
+
+        rows.append((floor_name({"best_constant": best})[0], best["accuracy"], f"best constant answer ({best['what']})"))
+    if not rows:
+        rows.append(("solving nothing", 0.0, floors.get("note", "no trivial answer")))
+    return rows
+
+
+def floors_table(artifact: dict) -> pd.DataFrame:
+    """The full, ablated and control accuracies beside the floors of the same holdout items, highest first."""
+    h, control = artifact["holdout"], artifact.get("control")
+    rows = [(name, value, note) for name, value, note in floor_rows(artifact)]
+    rows += [("full model", h["full_accuracy"], "the model as it is"),
+             (f"{h['heads_label']} {_ablation_word(artifact)}-ablated", h["ablated_accuracy"], "the run's frozen set")]
+    if control:
+        rows.append((f"{control['heads_label']} {control['ablation']}-ablated", control["accuracy"],
+                     "the control (same heads, other ablation)"))
+    rows.sort(key=lambda r: -r[1])
+    return pd.DataFrame({"accuracy (%)": [round(100 * v, 1) for _, v, _ in rows], "what": [n for _, _, n in rows]},
+                        index=pd.Index([name for name, _, _ in rows], name=f"on the {h['n_items']} holdout items"))
+
+
+def _ablation_word(artifact: dict) -> str:
+    return (artifact.get("config") or {}).get("ablation", "zero")
+
+
+def answer_profile(artifact: dict) -> str:
+    """Multiple choice: how often the full and the ablated model give each answer, and which way the changed answers
+    went, from the stored predictions (a bias shift reads here); empty for the other kinds."""
+    from cel_utils.tasks.floors import answer_shares, changed_answers
+
+    floors, h = artifact.get("floors") or {}, artifact["holdout"]
+    labels = floors.get("labels")
+    if not labels:
+        return ""
+    full = answer_shares(h.get("full_predictions", []), len(labels))
+    ablated = answer_shares(h.get("ablated_predictions", []), len(labels))
+    if full is None or ablated is None:
+        return ""
+
+    def shares(values: list[float]) -> str:
+        return ", ".join(f"{label!r} {100 * v:.1f}%" for label, v in zip(labels, values))
+
+    moves = changed_answers(h["full_predictions"], h["ablated_predictions"])
+    n_moved = sum(moves.values())
+    top = ", ".join(f"{n} {labels[a]!r} -> {labels[b]!r}" for (a, b), n in list(moves.items())[:3])
+    gold = floors.get("gold_shares")
+    return (f"The full model answers {shares(full)}; ablated, {shares(ablated)}"
+            + (f" (the right answers: {shares(gold)})" if gold else "") + ". "
+            + (f"Of the {n_moved} answers the ablation changed: {top}." if n_moved else "No answer changed."))
+
+
+def control_sentence(artifact: dict) -> str:
+    """The control in words: the frozen set under the other ablation, against the full model and the run's ablation."""
+    control = artifact.get("control")
+    if not control:
+        return ""
+    h, vf, vs = artifact["holdout"], control["vs_full"], control["vs_search"]
+    word, other = _ablation_word(artifact), control["ablation"]
+    how = ("each replaced by its mean over the discovery items' tokens, not by zero" if other == "mean"
+           else "each set to zero, not to its mean")
+    moved = "significant alone" if vf["p_value"] <= 0.05 else "not significant"
+    differ = "differ significantly" if vs["p_value"] <= 0.05 else "do not differ significantly"
+    text = (f"**Control: {other}-ablation.** With the same heads {other}-ablated ({how}), the holdout accuracy is "
+            f"{100 * control['accuracy']:.1f}%, against the full model's {100 * h['full_accuracy']:.1f}% and the "
+            f"{word}-ablated {100 * h['ablated_accuracy']:.1f}%: {vf['gain_points']:+.1f} points from the full model "
+            f"({ci_text(vf)}; {moved}). The two ablations {differ} on these items ({other} - {word} "
+            f"{vs['gain_points']:+.1f} points, {ci_text(vs)}).")
+    if word == "zero" and vs["p_value"] <= 0.05:
+        text += " Part of what zero-ablation does here needs the zero vector, a state the model never produced."
+    return text
+
+
+def key_result(artifact: dict, family: dict | None = None, second: dict | None = None) -> str:
+    """The run's key result as a MyST admonition, for the top of its page: full -> ablated with the floor beside it,
+    the verdict's kind, the heads, the control; ``family`` as for :func:`verdict_of`; ``second``: the first look of
+    a holdout scored twice (:func:`cel_utils.book.claims.second_look`)."""
+    h = artifact["holdout"]
+    found = verdict_of(artifact, family) or {"kind": "n/a", "text": "no paired test stored", "at_floor": False}
+    floors = floor_rows(artifact)
+    floor = max(floors, key=lambda r: r[1]) if floors else None
+    sig = significance(artifact)
+    lines = [f"**{h['heads_label']}** ablated: {artifact['task']['metric']} "
+             f"**{transition_text(h['full_accuracy'], h['ablated_accuracy'], h['gain_points'])}** on {h['n_items']} "
+             "held-out items"]
+    if floor:
+        lines.append(f"floor: {floor[0]} scores {100 * floor[1]:.1f}%" + (" (the full model is at its floor)"
+                                                                            if found.get("at_floor") else ""))
+    if sig:
+        p_line = f"{ci_text(sig)}"
+        if family and family["m"] > 1:
+            p_line += (f"; among the book's {family['m']} primary tests: Holm p = {p_text(family['p_adjusted'])}, "
+                       f"family-adjusted CI [{family['ci_low']:+.1f}, {family['ci_high']:+.1f}]")
+        lines.append(p_line)
+    lines.append(f"verdict: **{verdict_word(found)}**")
+    control = artifact.get("control")
+    if control:
+        lines.append(f"control ({control['ablation']}-ablation of the same heads): "
+                     f"{100 * control['accuracy']:.1f}% ({control['vs_full']['gain_points']:+.1f} points)")
+    if second:
+        lines.append(f"a second look: this holdout pool was scored before ({second['n_holdout']} items, "
+                     f"{second['gain_points']:+.1f} points, {second['heads']})")
+    return "\n".join(["```{admonition} Key result", ":class: tip", *[f"- {line}" for line in lines], "```"])
+
+
+def verdict_word(found: dict) -> str:
+    """The verdict in a word or two, for tables: the floor first, as in the sentence."""
+    word = {"gain": "gain", "loss": "loss", "not significant": "no effect shown",
+            "underpowered": "underpowered"}.get(found["kind"], found["kind"])
+    return f"at floor; {word}" if found.get("at_floor") else word

@@ -259,7 +259,7 @@ class EngineEvaluator(Evaluator):
                         row_masks = torch.stack([head_mask(pairs[p][1], geometry) for p in chunk])
                         states = (prefix_states(self.lm, self.prefix, None, row_masks, len(chunk), clean=prefix_pass)
                                   if self.prefix else None)
-                        chunk_attn = None if attn is None else attn[index]
+                        chunk_attn = _rows_of(attn, index)
                         with attention_with_mask(model, chunk_attn), ablated_rows(model, row_masks, geometry), \
                                 start_at_layer(model, layer, kept[layer - 1][index] if layer > 0 else None):
                             hidden = base_model(model)(
@@ -381,6 +381,14 @@ class EngineEvaluator(Evaluator):
                 outcomes.append(self.decide(stored[label]))
         progress.close()
         return outcomes
+
+
+def _rows_of(mask, index: torch.Tensor):
+    """The rows ``index`` of an additive mask, or of each mask of a dict of them (one per layer type: Gemma 3's
+    sliding and full layers)."""
+    if isinstance(mask, dict):
+        return {kind: part[index] for kind, part in mask.items()}
+    return None if mask is None else mask[index]
 
 
 def _in_dtype(mask, dtype: torch.dtype):

@@ -15,11 +15,14 @@ from typing import Iterable, Sequence
 import torch
 
 from cel_utils.evaluation.kinds import kind_of
+from cel_utils.evaluation.means import HeadMeans
+from cel_utils.models.ablation import replaced_by_means
 from cel_utils.progress import progress_bar
 from cel_utils.tasks.prompts import resolve_bos
 from cel_utils.evaluation.store import EvalStore, StoreContext, batch_key, request_digest
 from cel_utils.models.heads import HeadId, format_heads, head_set
 from cel_utils.models.loading import LoadedModel
+from cel_utils.sandbox import MEMORY_MB, TIMEOUT_S
 from cel_utils.tasks.scoring import Outcome, loglikelihoods_naive
 from cel_utils.tasks.specs import Item, TaskSpec
 
@@ -36,11 +39,14 @@ class Evaluator:
                      "cel_utils.models.ablation", "cel_utils.models.plumbing")
 
     def __init__(self, lm: LoadedModel, task: TaskSpec, items: Sequence[Item], fewshot: Sequence[Item] = (), *,
-                 fmt: str = "plain", bos: str = "auto", batch_size: int = 8, max_new_tokens: int = 256, exec_timeout_s: float = 10.0,
-                 progress: bool | str = True, store: EvalStore | None = None):
+                 fmt: str = "plain", bos: str = "auto", batch_size: int = 8, max_new_tokens: int = 256,
+                 exec_timeout_s: float = TIMEOUT_S, exec_memory_mb: int = MEMORY_MB,
+                 progress: bool | str = True, store: EvalStore | None = None, means: HeadMeans | None = None):
         self.lm, self.task, self.items = lm, task, list(items)
+        # Mean-ablation (cel_utils.evaluation.means): every intervention replaces its heads by these means, not zero.
+        self.means = means
         self.fmt, self.batch_size, self.max_new_tokens = fmt, batch_size, max_new_tokens
-        self.exec_timeout_s, self.progress = exec_timeout_s, progress
+        self.exec_timeout_s, self.exec_memory_mb, self.progress = exec_timeout_s, exec_memory_mb, progress
         self.fewshot = list(fewshot)
         self.fewshot_ids = [item.id for item in fewshot]
         self.store, self._stored, self._stored_state, self._digests = store, None, None, None
@@ -59,7 +65,8 @@ class Evaluator:
 
     def decide(self, raw: list) -> Outcome:
         """The task's decisions from one intervention's statistics (or completions) on every item."""
-        return self.kind.decide(self.task, self.requests, raw, timeout_s=self.exec_timeout_s)
+        return self.kind.decide(self.task, self.requests, raw, timeout_s=self.exec_timeout_s,
+                                memory_mb=self.exec_memory_mb)
 
     def _canonical(self, interventions: Iterable[Iterable[HeadId]]) -> list[Intervention]:
         canonical = [head_set(heads) for heads in interventions]
@@ -71,8 +78,17 @@ class Evaluator:
     def evaluate(self, interventions: Iterable[Iterable[HeadId]], desc: str | None = None) -> list[Outcome]:
         interventions = self._canonical(interventions)
         unique = list(dict.fromkeys(interventions))  # each distinct intervention is computed (and stored) once
-        outcomes = dict(zip(unique, self._evaluate(unique, desc)))
+        with self.ablation():
+            outcomes = dict(zip(unique, self._evaluate(unique, desc)))
         return [outcomes[heads] for heads in interventions]
+
+    def ablation(self):
+        """The block inside which this evaluator's ablations happen: zero (nothing set), or its means."""
+        return replaced_by_means(self.lm.model, None if self.means is None else self.means.values, self.lm.geometry)
+
+    @property
+    def ablation_name(self) -> str:
+        return "zero" if self.means is None else "mean"
 
     def _evaluate(self, interventions: list[Intervention], desc: str | None) -> list[Outcome]:
         raise NotImplementedError
@@ -96,6 +112,8 @@ class Evaluator:
                   "fewshot": self.fewshot_ids,
                   "attn_implementation": getattr(self.lm.model.config, "_attn_implementation", None),
                   "torch": torch.__version__, "transformers": transformers.__version__}
+        if self.means is not None:  # zero-ablation's fields are those it always had (its records keep their names)
+            fields.update(ablation="mean", means=self.means.sha256)
         if not self.kind.loglikelihood:
             from cel_utils.evaluation.generation import _stop_ids
 

@@ -203,16 +203,17 @@ def _greedy(lm: LoadedModel, ids: torch.Tensor, mask: torch.Tensor, cache, heads
     return answers
 
 
-def score_generations(task, requests: list[GenRequest], completions: list[str], *, timeout_s: float = 10.0,
+def score_generations(task, requests: list[GenRequest], completions: list[str], *, timeout_s: float, memory_mb: int,
                       workers: int = 2) -> Outcome:
-    """pass@1: run each completion with its item's tests in the sandbox."""
+    """pass@1: run each completion with its item's tests in the sandbox, under the run's limits (the settings
+    exec_timeout_s and exec_memory_mb, which the sandbox's cache keys its verdicts by)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from cel_utils.evaluation.sandbox import check_mbpp
+    from cel_utils.sandbox import check_mbpp
 
     def run(pair):
         request, completion = pair
-        return check_mbpp(completion, request.tests, request.setup, timeout_s=timeout_s)
+        return check_mbpp(completion, request.tests, request.setup, timeout_s=timeout_s, memory_mb=memory_mb)
 
     # Threads only wait on sandboxed child processes here, so two threads keep two cores busy.
     with ThreadPoolExecutor(max_workers=workers) as pool:

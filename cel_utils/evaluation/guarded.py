@@ -8,7 +8,8 @@ pass, the residual states kept below each ablated layer and the unembedding are 
 run on a bf16 copy of the model (:func:`bf16_model`) from those states. So the full model's decisions are fp32's own,
 never rechecked, and the error is that of the ablated layers alone: on the default model (32 BoolQ items x 30 heads,
 24 HellaSwag items x 40 heads) the largest margin error fell from 0.27 to 0.19 (BoolQ) and 0.025 to 0.015 (HellaSwag)
-against a whole-model bf16 copy, and the share of pairs inside a 2x band from 23% to 20% and 44% to 30%. The margins:
+against a whole-model bf16 copy, and the share of pairs inside a 2x band from 23% to 20% and 44% to 30%. The margins
+(each kind's :class:`~cel_utils.evaluation.kinds.ItemDecision`):
 
 * multiple choice and BoolQ: the gap between the chosen answer's score and the runner-up's under the primary metric
   (HellaSwag's ``acc_norm``, BoolQ's ``acc``); its error is bounded by the spread of the answers' score errors (the
@@ -80,44 +81,6 @@ def bf16_model(lm: LoadedModel) -> LoadedModel:
     return dataclasses.replace(lm, model=copied)
 
 
-# --- margins and their errors ------------------------------------------------------------------------------------
-
-def _choice_scores(task, request, stats: ContinuationStats) -> list[np.ndarray]:
-    """The answers' scores under the task's primary metric (as :func:`cel_utils.tasks.scoring.decide_choice`).
-
-    Only the primary one: it makes every decision the search, the holdout and the statistics use. Guarding HellaSwag's
-    secondary ``acc`` too (unnormalised sums over ~20 tokens, bf16 errors up to 1.6 on 32 items x 13 interventions,
-    against 0.02 for ``acc_norm``) sent every pair to fp32."""
-    chars = np.asarray(request.choice_chars, dtype=np.float64)
-    return [stats.ll if task.metric == "acc" else stats.ll / chars]
-
-
-def decision_margin(kind: str, task, request, stats: ContinuationStats) -> float:
-    """How far the pair's decision is from changing: >= 0; the decision can only differ in the other precision where
-    this is within that precision's error."""
-    if kind == "greedy":
-        return abs(float(stats.greedy_margin[0]))
-    gaps = []
-    for scores in _choice_scores(task, request, stats):
-        top = np.sort(scores)[::-1]
-        gaps.append(top[0] - top[1])
-    return float(min(gaps))
-
-
-def margin_error(kind: str, task, request, low: ContinuationStats, high: ContinuationStats) -> float:
-    """A bound on how far the decision margin moved between the precisions (see the module docstring)."""
-    if kind == "greedy":
-        return abs(float(low.greedy_margin[0]) - float(high.greedy_margin[0]))
-    return float(max(np.ptp(a - b) for a, b in zip(_choice_scores(task, request, low), _choice_scores(task, request, high))))
-
-
-def decision(kind: str, task, request, stats: ContinuationStats) -> tuple:
-    """What the outcome takes from the pair: the greedy match, or the chosen answer under each metric."""
-    if kind == "greedy":
-        return (bool(stats.greedy[0]),)
-    return tuple(int(np.argmax(scores)) for scores in _choice_scores(task, request, stats))
-
-
 class GuardedEvaluator:
     """An evaluator whose decisions are fp32's, computed mostly in bf16 (see the module docstring).
 
@@ -152,20 +115,20 @@ class GuardedEvaluator:
         return self.evaluate([heads])[0]
 
     def _guarded(self, unique: list[Intervention], desc: str | None) -> list[Outcome]:
-        kind, task, requests = self.exact.kind.name, self.exact.task, self.exact.requests
+        rule, task, requests = self.exact.kind.item_decision, self.exact.task, self.exact.requests
         n = len(requests)
         stats = self.fast.continuation_stats(unique, desc)
-        margins = np.array([[decision_margin(kind, task, requests[i], s[i]) for i in range(n)] for s in stats])
+        margins = np.array([[rule.margin(task, requests[i], s[i]) for i in range(n)] for s in stats])
         exact: dict[Pair, ContinuationStats] = {}
 
         def recheck(pairs: list[Pair]) -> list[float]:
             for (u, i), value in zip(pairs, self.exact.pair_stats([(i, unique[u]) for u, i in pairs])):
                 exact[u, i] = value
-            return [margin_error(kind, task, requests[i], stats[u][i], exact[u, i]) for u, i in pairs]
+            return [rule.margin_error(task, requests[i], stats[u][i], exact[u, i]) for u, i in pairs]
 
         def differs(pair: Pair) -> bool:
             u, i = pair
-            return decision(kind, task, requests[i], stats[u][i]) != decision(kind, task, requests[i], exact[u, i])
+            return rule.decision(task, requests[i], stats[u][i]) != rule.decision(task, requests[i], exact[u, i])
 
         # The fast pass's full model is fp32's own clean pass: exact, neither audited nor rechecked.
         own = getattr(self.fast, "fast_lm", None) is not None and self.fast.lm is self.exact.lm

@@ -32,7 +32,6 @@ deleted with a warning and recomputed, never trusted.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import tempfile
@@ -203,18 +202,6 @@ def request_digest(request) -> bytes:
     else:  # a generation request: where it stops also changes the completion
         parts += [request.stop, request.prefix]
     return hashlib.sha256(json.dumps(parts, separators=(",", ":")).encode()).digest()
-
-
-def source_sha256(modules: Iterable[str]) -> str:
-    """sha256 of the source of ``modules`` (dotted names), each with its name: the code an evaluator's ``store_kind``
-    stands for. Line endings are normalized, so a checkout with CRLF endings hashes the same."""
-    digest = hashlib.sha256()
-    for name in modules:
-        spec = importlib.util.find_spec(name)
-        if spec is None or not spec.origin:
-            raise ModuleNotFoundError(f"store_sources names {name!r}, which is not an importable module: fix the name")
-        digest.update(f"{name}\0".encode() + Path(spec.origin).read_bytes().replace(b"\r\n", b"\n") + b"\0")
-    return digest.hexdigest()
 
 
 def batch_key(digests: Iterable[bytes]) -> str:

@@ -65,11 +65,11 @@ def _column(view: ItemView, which: str) -> str:
     parts = [f"<h4>{title}</h4>",
              f'<div class="cel-answer" data-which="{which}" data-correct="{int(outcome.correct[0])}">'
              f'{_verdict(bool(outcome.correct[0]))}: ']
-    if view.kind == "generate":
+    if not view.kind.loglikelihood:  # generated: the completion and its verdict
         generated = outcome.predictions[0]  # the whole completion (the run pages clip theirs)
         parts.append(f'tests: <span class="cel-status">{escape(generated["status"])}</span></div>'
                      f'<pre>{escape(generated["completion"])}</pre>')
-    elif view.kind == "choice":
+    elif view.kind.compares_answers:  # multiple choice: each option's score
         parts.append(f"chose {escape(answer)}</div>{option_chart(view, outcome, which)}")
     else:
         parts.append(f'answers {escape(answer)} (greedy); gold tokens scored teacher forced, margin '

@@ -16,7 +16,7 @@ import numpy as np
 
 from cel_utils.config import DEFAULT_MODEL, RunConfig
 from cel_utils.evaluation.evaluator import Evaluator
-from cel_utils.evaluation.kinds import kind_of
+from cel_utils.evaluation.kinds import TaskKind, kind_of
 from cel_utils.evaluation.store import EvalStore
 from cel_utils.models.heads import HeadId, format_heads, head_set
 from cel_utils.models.loading import LoadedModel
@@ -38,7 +38,7 @@ class ItemView:
     label: str  # "holdout #3 (validation/2649)" or "own prompt"
     prompt: str  # the item's text (without the few-shot exemplars)
     heads: tuple[HeadId, ...]
-    kind: str  # the task kind: greedy, choice or generate
+    kind: TaskKind  # the task's kind: how its answers read (cel_utils.evaluation.kinds)
     metric: str
     options: list[str]  # a multiple-choice item's answers; [] otherwise
     gold: str  # the right answer as the run pages show it
@@ -69,19 +69,16 @@ class Score:
 
 
 def _own_task(task: TaskSpec) -> TaskSpec:
-    """The task, reading a typed prompt's text and answers from its document (exemplars keep the dataset's)."""
-    def own(field: str, original):
-        return lambda doc: doc[field] if OWN in doc else original(doc)
+    """The task, reading a typed prompt's text and answers from its document as its kind says (exemplars keep the
+    dataset's)."""
+    def own(read, original):
+        return lambda doc: read(doc) if OWN in doc else original(doc)
 
-    changes = {"doc_to_text": own("text", task.doc_to_text), "validate": None}
-    if task.kind == "choice":
-        changes.update(doc_to_choices=own("choices", task.doc_to_choices), doc_to_gold=own("gold", task.doc_to_gold),
-                       doc_to_target=lambda doc: doc["choices"][doc["gold"]] if OWN in doc else task.doc_to_target(doc))
-    elif task.kind == "greedy":
-        changes.update(doc_to_target=own("target", task.doc_to_target))
-    else:  # generation (MBPP): the typed text is the task's description; the prompt wraps it as for any item
-        changes = {}
-    return dataclasses.replace(task, **changes)
+    reads = kind_of(task).typed_prompt.reads
+    if not reads:  # read like a dataset row (MBPP: the typed text is the task's description)
+        return dataclasses.replace(task)
+    changes = {name: own(read, getattr(task, name)) for name, read in reads.items()}
+    return dataclasses.replace(task, validate=None, **changes)
 
 
 class ExploreSession:
@@ -177,22 +174,8 @@ class ExploreSession:
         ``options`` and right ``gold`` index, a greedy-match task's ``target``, or MBPP's ``tests`` (assert lines)."""
         if not text.strip():
             raise ValueError("the prompt is empty: type a prompt")
-        if self.task.kind == "choice":
-            options = [o for o in options if o.strip()]
-            if len(options) < 2:
-                raise ValueError("a multiple-choice prompt needs at least two options, one per line")
-            if not 0 <= gold < len(options):
-                raise ValueError(f"the right option is numbered 0..{len(options) - 1}, got {gold}")
-            doc = {OWN: True, "text": text, "choices": list(options), "gold": int(gold)}
-        elif self.task.kind == "greedy":
-            if not target:
-                raise ValueError("a greedy-match prompt needs the expected answer (its target), e.g. ' 42'")
-            doc = {OWN: True, "text": text, "target": target}
-        else:
-            tests = [t for t in tests if t.strip()]
-            if not tests:
-                raise ValueError("an MBPP prompt needs at least one test, an assert per line")
-            doc = {OWN: True, "text": text, "test_list": list(tests), "test_setup_code": "", "code": "", "task_id": -1}
+        doc = {OWN: True, **self.kind.typed_prompt.document(text, options=options, gold=gold, target=target,
+                                                             tests=tests)}
         task = _own_task(self.task)
         item = Item(id="own prompt", doc=doc)
         evaluator = self.evaluator([item], stored=False, task=task)  # the store is for the task's items only
@@ -207,10 +190,10 @@ class ExploreSession:
             answers = [self.kind.show(task, doc, o.predictions[0]) for o in (full, ablated)]
         else:  # teacher forced: a short greedy continuation shows what the model would say
             answers = [repr(a) for a in self._greedy_answers(evaluator, ((), heads))]
-        return ItemView(label=label, prompt=task.doc_to_text(doc), heads=heads, kind=task.kind, metric=task.metric,
-                        options=list(task.doc_to_choices(doc)) if task.kind == "choice" else [],
-                        gold=self.kind.show_gold(task, doc),
-                        gold_index=task.doc_to_gold(doc) if task.kind == "choice" else None, full=full, ablated=ablated,
+        choice = self.kind.compares_answers
+        return ItemView(label=label, prompt=task.doc_to_text(doc), heads=heads, kind=self.kind, metric=task.metric,
+                        options=list(task.doc_to_choices(doc)) if choice else [], gold=self.kind.show_gold(task, doc),
+                        gold_index=task.doc_to_gold(doc) if choice else None, full=full, ablated=ablated,
                         full_answer=answers[0], ablated_answer=answers[1])
 
     def _greedy_answers(self, evaluator: Evaluator, head_sets) -> list[str]:

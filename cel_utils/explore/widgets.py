@@ -36,10 +36,11 @@ class Explorer:
         self.found = w.Select(options=[], rows=3, description="found", layout=w.Layout(width="95%"))
         self.own_text = w.Textarea(placeholder="your prompt (it follows the task's few-shot exemplars)",
                                    description="prompt", layout=w.Layout(width="95%", height="6em"))
-        self.own_answers = w.Textarea(placeholder=self._answers_hint(), description=self._answers_label(),
+        typed = session.kind.typed_prompt  # what a typed prompt of the task's kind takes
+        self.own_answers = w.Textarea(placeholder=typed.hint, description=typed.box,
                                       layout=w.Layout(width="95%", height="5em"))
         self.own_gold = w.BoundedIntText(value=0, min=0, max=99, description="right option",
-                                         layout=w.Layout(display="" if session.task.kind == "choice" else "none"))
+                                         layout=w.Layout(display="" if session.kind.compares_answers else "none"))
         self.own_show = w.Button(description="show my prompt", button_style="primary")
         self.source = w.Tab(children=[w.VBox([w.HBox([self.split, self.index]), self.query, self.found]),
                                       w.VBox([self.own_text, self.own_answers, self.own_gold, self.own_show])])
@@ -107,14 +108,6 @@ class Explorer:
 
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)
-
-    # Text of the own-prompt fields per task kind
-    def _answers_label(self) -> str:
-        return {"choice": "options", "greedy": "answer", "generate": "tests"}[self.session.task.kind]
-
-    def _answers_hint(self) -> str:
-        return {"choice": "one option per line", "greedy": "the expected answer, e.g. ' 42'",
-                "generate": "one assert per line"}[self.session.task.kind]
 
     # The head set ---------------------------------------------------------------------------------------------
 
@@ -218,11 +211,9 @@ class Explorer:
             if own:
                 self.source.selected_index = OWN_TAB
                 lines = [line for line in self.own_answers.value.splitlines()]
-                kind = self.session.task.kind
-                view = self.session.view_prompt(
-                    self.own_text.value, self.heads, options=lines if kind == "choice" else (),
-                    gold=self.own_gold.value, target=self.own_answers.value if kind == "greedy" else "",
-                    tests=lines if kind == "generate" else ())
+                # the task's kind takes what it needs: options or tests (lines), or a target (the text as typed)
+                view = self.session.view_prompt(self.own_text.value, self.heads, options=lines,
+                                                gold=self.own_gold.value, target=self.own_answers.value, tests=lines)
             else:
                 self.source.selected_index = ITEM_TAB
                 view = self.session.view(self.split.value, self.index.value, self.heads)

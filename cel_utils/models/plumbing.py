@@ -5,8 +5,8 @@ Everything that ablates, replays or differentiates through heads goes through th
 * :data:`ARCHITECTURES` says where each family keeps its decoder layers and, inside a layer, the attention
   output projection whose *input* holds the per-head outputs (TransformerLens's ``hook_z``); it is the one
   intervention site of the package;
-* :func:`scaled_head_outputs` multiplies that input by per-feature factors (the ablation hook, and the gates of
-  attribution patching);
+* :func:`scaled_head_outputs` multiplies that input by per-feature factors and adds offsets (the ablation hook, zero
+  or mean, and the gates of attribution patching);
 * :func:`start_at_layer` and :func:`capture_layer_outputs` replay a forward from a kept residual stream, which
   is how the engine and generation reuse the layers below an ablation;
 * :func:`base_model` and :func:`unembed` split the forward at the final hidden state, so that only the
@@ -250,18 +250,30 @@ def unembed(model: nn.Module, hidden: torch.Tensor, rows: torch.Tensor | None = 
 
 
 @contextmanager
-def scaled_head_outputs(model: nn.Module, factors_by_layer: dict[int, torch.Tensor]) -> Iterator[None]:
-    """Multiply the o_proj input of each listed layer by its factors inside the block (hooks always removed).
+def scaled_head_outputs(model: nn.Module, factors_by_layer: dict[int, torch.Tensor],
+                        offsets_by_layer: dict[int, torch.Tensor] | None = None) -> Iterator[None]:
+    """Multiply the o_proj input of each listed layer by its factors inside the block, then add its offsets if given
+    (hooks always removed): ``z -> z * factors + offsets``, which is zero-ablation with factors 0 and no offsets, and
+    mean-ablation with factors 0 and the mean as offset (:mod:`cel_utils.models.ablation`).
 
-    Factors are ``[features]`` (every row alike) or ``[rows, features]`` (one head set per batch row). They are put in
-    the dtype and on the device of their projection's weight once (a model spread over several devices works
+    Factors and offsets are ``[features]`` (every row alike) or ``[rows, features]`` (one head set per batch row). They
+    are put in the dtype and on the device of their projection's weight once (a model spread over several devices works
     unchanged; gates keep their gradient through the cast), and an input arriving in another dtype is refused: a
-    product of two dtypes would silently compute in the wider one.
+    product of two dtypes would silently compute in the wider one. Without offsets the hook computes exactly what it
+    computed before offsets existed (one product, nothing added).
     """
     projections = attention_output_projections(model)
+    offsets_by_layer = offsets_by_layer or {}
     handles = []
 
-    def make_hook(layer: int, factors: torch.Tensor, quantized: bool):
+    def per_row(layer: int, values: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        if values.dim() == 2:  # per row: [rows, features] -> broadcast over positions
+            if values.shape[0] != hidden.shape[0]:
+                raise ValueError(f"per-row head mask has {values.shape[0]} rows but the batch has {hidden.shape[0]}")
+            return values[:, None, :]
+        return values
+
+    def make_hook(layer: int, factors: torch.Tensor, offsets: torch.Tensor | None, quantized: bool):
         def hook(module: nn.Module, args: tuple) -> tuple:
             hidden = args[0]
             scale = factors.to(hidden.dtype) if quantized else factors
@@ -269,11 +281,10 @@ def scaled_head_outputs(model: nn.Module, factors_by_layer: dict[int, torch.Tens
                 raise ValueError(f"layer {layer}'s o_proj input is {hidden.dtype} but its weight is {scale.dtype}: the "
                                  "model computes in more than one dtype; cast it whole (model.to(dtype)) before "
                                  "ablating heads")
-            if scale.dim() == 2:  # per row: [rows, features] -> broadcast over positions
-                if scale.shape[0] != hidden.shape[0]:
-                    raise ValueError(f"per-row head mask has {scale.shape[0]} rows but the batch has {hidden.shape[0]}")
-                scale = scale[:, None, :]
-            return (hidden * scale,) + tuple(args[1:])
+            out = hidden * per_row(layer, scale, hidden)
+            if offsets is not None:
+                out = out + per_row(layer, offsets.to(hidden.dtype) if quantized else offsets, hidden)
+            return (out,) + tuple(args[1:])
 
         return hook
 
@@ -282,8 +293,11 @@ def scaled_head_outputs(model: nn.Module, factors_by_layer: dict[int, torch.Tens
             weight = projections[layer].weight
             # a quantized weight (int8) says nothing about the dtype its input comes in: cast to the input's there
             quantized = not weight.is_floating_point()
-            factors = factors.to(device=weight.device, dtype=factors.dtype if quantized else weight.dtype)
-            handles.append(projections[layer].register_forward_pre_hook(make_hook(layer, factors, quantized)))
+            dtype = factors.dtype if quantized else weight.dtype
+            factors = factors.to(device=weight.device, dtype=dtype)
+            offsets = offsets_by_layer.get(layer)
+            offsets = None if offsets is None else offsets.to(device=weight.device, dtype=dtype)
+            handles.append(projections[layer].register_forward_pre_hook(make_hook(layer, factors, offsets, quantized)))
         yield
     finally:
         for handle in handles:

@@ -12,15 +12,17 @@ import torch
 from cel_utils.config import RunConfig
 from cel_utils.evaluation.evaluator import Evaluator, NaiveEvaluator
 from cel_utils.evaluation.guarded import Guard, GuardedEvaluator, bf16_model, resolve_precision
+from cel_utils.evaluation.means import HeadMeans, discovery_means
 from cel_utils.evaluation.kinds import kind_of
 from cel_utils.evaluation.outcomes import OutcomeTable
-from cel_utils.evaluation.sandbox import isolation_report
 from cel_utils.evaluation.store import EvalStore
 from cel_utils.models.heads import HeadGeometry, format_heads
 from cel_utils.models.loading import LoadedModel, load_model, resolve_device
 from cel_utils.pipeline.artifacts import SCHEMA_VERSION, bits, library_versions, run_info_path, utc_now, write_json
+from cel_utils.pipeline.control import control_config, score_control
 from cel_utils.pipeline.discovery_flips import discovery_flips
 from cel_utils.pipeline.examples import flip_examples
+from cel_utils.sandbox import isolation_report
 from cel_utils.search.algorithm import HoldoutResult, SearchResult, check_search_params, evaluate_holdout, run_search
 from cel_utils.search.screening import run_screen
 from cel_utils.stats.calibration import calibration_baseline
@@ -43,13 +45,13 @@ class CelRun:
 
 def run_precision(config: RunConfig, device) -> str:
     """``config.precision`` as it resolves on ``device``. ``auto``: guarded with bf16 units and the fast engine, for
-    multiple-choice tasks (BoolQ, HellaSwag) only, the kind where it was measured faster than fp32 (stage 1 of the
-    default model, 2 threads: 1.31x and 1.22x; book/speed.md). The others stay fp32 under ``auto``: guarded took
-    arithmetic_1dc (short items after a 3-shot prefix, where bf16 itself gained 1.33x) 2.0x fp32's time, and MBPP's
-    decoding guard rechecked every row (see cel_utils.evaluation.guarded_generation)."""
+    multiple-choice tasks (BoolQ, HellaSwag) only (``TaskKind.auto_guarded``), the kind where it was measured faster
+    than fp32 (stage 1 of the default model, 2 threads: 1.31x and 1.22x; book/speed.md). The others stay fp32 under
+    ``auto``: guarded took arithmetic_1dc (short items after a 3-shot prefix, where bf16 itself gained 1.33x) 2.0x
+    fp32's time, and MBPP's decoding guard rechecked every row (see cel_utils.evaluation.guarded_generation)."""
     precision = resolve_precision(config.precision, device)
     if precision == "guarded" and config.precision == "auto" and (
-            config.engine != "fast" or kind_of(get_task(config.task)).name != "choice"):
+            config.engine != "fast" or not kind_of(get_task(config.task)).auto_guarded):
         return "fp32"
     return precision
 
@@ -65,14 +67,17 @@ def load_for(config: RunConfig) -> LoadedModel:
 
 
 def make_evaluator(lm: LoadedModel, data: TaskData, items, config: RunConfig, progress: bool | str = True,
-                   store: EvalStore | None = None, guard: Guard | None = None) -> Evaluator:
+                   store: EvalStore | None = None, guard: Guard | None = None, means: HeadMeans | None = None
+                   ) -> Evaluator:
     """An evaluator of ``items`` as ``config`` says; with ``config.cache`` it reads and writes ``store``
     (default: the store under $CEL_CACHE_DIR). Under the guarded precision, ``guard`` holds the run's evidence about
-    bf16's error (shared by the run's evaluators; default: a fresh one)."""
+    bf16's error (shared by the run's evaluators; default: a fresh one). With ``means`` it mean-ablates
+    (:mod:`cel_utils.evaluation.means`)."""
     if config.cache and store is None:
         store = EvalStore()
-    kwargs = dict(fmt=config.fmt, bos=config.bos, batch_size=config.batch_size, max_new_tokens=config.max_new_tokens, progress=progress,
-                  store=store if config.cache else None)
+    kwargs = dict(fmt=config.fmt, bos=config.bos, batch_size=config.batch_size, max_new_tokens=config.max_new_tokens,
+                  exec_timeout_s=config.exec_timeout_s, exec_memory_mb=config.exec_memory_mb, progress=progress,
+                  store=store if config.cache else None, means=means)
     precision = run_precision(config, lm.device)
     if precision == "guarded" and lm.dtype != torch.float32:
         raise ValueError(f"precision guarded needs the model in float32 (it makes its own bfloat16 copy), got "
@@ -116,10 +121,20 @@ def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool | s
     guard = Guard(seed=config.seed)  # used by the guarded precision only: one audit for the run's evaluators
 
     start = time.perf_counter()
+    # The means mean-ablation replaces heads by, from the discovery prompts (the search's when ablation is mean, the
+    # control's otherwise); the prompts are tokenized as the discovery evaluator will read them.
+    discovery_prompts = kind_of(data.task).build_requests(data.task, data.discovery, data.fewshot, lm.tokenizer,
+                                                          config.fmt, resolve_bos(lm.tokenizer, config.bos))
+    means = discovery_means(lm, [r.context for r in discovery_prompts], config.batch_size, cache=config.cache)
+    timings["means_s"] = time.perf_counter() - start
+    search_means = means if config.ablation == "mean" else None
+    start = time.perf_counter()
     # Every evaluator is built (its items tokenized) before the search: a bad item fails now, not hours later.
-    holdout_evaluator = make_evaluator(lm, data, data.holdout, config, progress, store, guard)
+    holdout_evaluator = make_evaluator(lm, data, data.holdout, config, progress, store, guard, search_means)
+    control_evaluator = make_evaluator(lm, data, data.holdout, control_config(config, run_precision(config, lm.device)),
+                                       progress, store, None, None if search_means is not None else means)
     # The table keeps every per-item outcome of the search, which the stability analysis resamples.
-    discovery = OutcomeTable(make_evaluator(lm, data, data.discovery, config, progress, store, guard))
+    discovery = OutcomeTable(make_evaluator(lm, data, data.discovery, config, progress, store, guard, search_means))
     screen = (run_screen(config.screen, discovery, candidates=config.screen_candidates, items=config.screen_items)
               if config.stage1 == "screened" else None)
     if screen is not None:
@@ -132,6 +147,10 @@ def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool | s
     holdout = evaluate_holdout(holdout_evaluator, search.frozen)
     examples = flip_examples(lm, data, holdout, fmt=config.fmt, bos=config.bos, batch_size=config.batch_size)
     timings["holdout_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    control = score_control(control_evaluator, holdout, means, config.seed)
+    timings["control_s"] = time.perf_counter() - start
+    floors = kind_of(data.task).floors(data.task, data.holdout)
 
     start = time.perf_counter()
     calibration = calibration_baseline(data.task.calibration, discovery.requests, search.full, holdout_evaluator.requests,
@@ -143,12 +162,13 @@ def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool | s
                                         guard)
     reliability = assess_run(search, holdout, discovery, holdout_evaluator, n_random_sets=config.n_random_sets,
                              n_resamples=config.n_resamples, resample=config.resample, seed=config.seed,
-                             calibration=calibration, null_evaluator=null_evaluator, null_indices=null_indices)
+                             calibration=calibration, null_evaluator=null_evaluator, null_indices=null_indices,
+                             floors=floors)
     timings["reliability_s"] = time.perf_counter() - start
     timings.update(reliability.pop("timings", None) or {})  # volatile: to the run info, not the artifact
 
     payload = build_artifact(config, lm, data, search, holdout, reliability, examples, precision_record(config, lm, guard),
-                             discovery_flips(data, discovery, search))
+                             discovery_flips(data, discovery, search), floors, control)
     # What differs between two runs of the same parameters goes beside the artifact, so that the artifact
     # itself is the same bytes every time (and after a resumed run). Written before the artifact, so an
     # artifact's run info is never an older run's.
@@ -164,7 +184,8 @@ def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool | s
 
 def build_artifact(config: RunConfig, lm: LoadedModel, data: TaskData, search: SearchResult, holdout: HoldoutResult,
                    reliability: dict | None = None, examples: list[dict] | None = None,
-                   precision: dict | None = None, flips: dict | None = None) -> dict:
+                   precision: dict | None = None, flips: dict | None = None, floors: dict | None = None,
+                   control: dict | None = None) -> dict:
     """The run's artifact: deterministic content only (creation time and timings are in the run info)."""
     geometry: HeadGeometry = lm.geometry
     return {
@@ -198,9 +219,13 @@ def build_artifact(config: RunConfig, lm: LoadedModel, data: TaskData, search: S
                     "ablated_metric_vectors": {k: bits(v) for k, v in holdout.ablated.metrics.items()},
                     "full_predictions": holdout.full.predictions, "ablated_predictions": holdout.ablated.predictions,
                     "examples": examples or []},  # cel_utils.pipeline.examples: what the run page shows
+        # the trivial accuracies on the holdout items (chance, the best constant answer): cel_utils.tasks.floors
+        "floors": floors,
+        # the frozen set under the other ablation (mean, for the paper's zero) on the same items: cel_utils.pipeline.control
+        "control": control,
         "n_interventions_evaluated": search.n_evaluated,
         "reliability": reliability,  # cel_utils.stats.reliability.assess_run; None when not assessed
         # the layers MBPP's code ran in here (a run page warns when some were best effort); None: no code ran
-        "sandbox": isolation_report() if data.task.kind == "generate" else None,
+        "sandbox": isolation_report() if kind_of(data.task).runs_code else None,
         "versions": library_versions(),
     }

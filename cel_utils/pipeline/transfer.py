@@ -103,18 +103,21 @@ class TransferResult:
 
 
 def cell_json(source: str, target: str, heads: list[str], label: str, full_correct, ablated_correct, seed: int,
-              n_holdout: int, indices: np.ndarray | None = None, calibration: dict | None = None) -> dict:
+              n_holdout: int, indices: np.ndarray | None = None, calibration: dict | None = None,
+              floors: dict | None = None) -> dict:
     """One cell of the matrix: the paired test of the ablated against the full model on the target's items, its
-    power and verdict, as for a run (a diagonal cell keeps the run's calibration baseline)."""
+    power and verdict, as for a run (a diagonal cell keeps the run's calibration baseline and floors: the run's own
+    verdict). The verdict is that of the cell alone; the page adjusts the off-diagonal cells as one family."""
     full, ablated = np.asarray(full_correct, bool), np.asarray(ablated_correct, bool)
     test = paired_test(full, ablated, seed=[seed, CI_STREAM]).to_json()
     power = power_json(len(full), discordant(full, ablated))
+    judged = verdict(test, power, calibration, floors=floors, accuracies=(float(full.mean()), float(ablated.mean())))
     return {"source": source, "target": target, "diagonal": source == target, "heads": heads, "heads_label": label,
             "n_items": int(len(full)), "n_holdout": n_holdout,
             "item_indices": None if indices is None else bits(indices),  # None: the whole holdout
             "full_accuracy": float(full.mean()), "ablated_accuracy": float(ablated.mean()),
             "gain_points": test["gain_points"], "help": test["help"], "harm": test["harm"],
-            "significance": test, "power": power, "verdict": verdict(test, power, calibration),
+            "significance": test, "power": power, "verdict": judged,
             "full_correct": bits(full), "ablated_correct": bits(ablated)}
 
 
@@ -163,7 +166,8 @@ def run_transfer(results_dir: str | Path, model: str, seed: int, tasks: Iterable
                              "paired test): rerun its cell")
         cal = (art.get("reliability") or {}).get("calibration")
         cells[target, target] = cell_json(target, target, h["heads"], h["heads_label"], h["full_correct"],
-                                          h["ablated_correct"], seed, h["n_items"], calibration=cal)
+                                          h["ablated_correct"], seed, h["n_items"], calibration=cal,
+                                          floors=art.get("floors"))
         sources = [s for s in order if s != target]
         if not sources:
             continue

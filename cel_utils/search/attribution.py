@@ -85,7 +85,12 @@ def _batch_margins(evaluator, requests, margin, rows: list[Row], batch: list[int
     ids, positions, attn = row_inputs([rows[i] for i in batch], lm.tokenizer.pad_token_id, lm.dtype, lm.device,
                                       attention_windows(lm.model))
     factors = {layer: gates[:, layer].repeat_interleave(geometry.head_dim, dim=-1) for layer in range(geometry.n_layers)}
-    with attention_with_mask(lm.model, attn), scaled_head_outputs(lm.model, factors):
+    # Under mean-ablation a gate interpolates between the head's output and its mean (g z + (1 - g) mean), so that
+    # g = 0 is the evaluator's own ablation and the gradient is that of moving towards it.
+    means = getattr(evaluator, "means", None)
+    offsets = None if means is None else {layer: (1 - factors[layer]) * means.values[layer].to(lm.device)
+                                          for layer in factors}
+    with attention_with_mask(lm.model, attn), scaled_head_outputs(lm.model, factors, offsets):
         hidden = base_model(lm.model)(input_ids=ids, position_ids=positions, attention_mask=attn).last_hidden_state
     margins = []
     for r, i in enumerate(batch):

@@ -197,4 +197,6 @@ def _same_evaluator(evaluator, *, lm=None, items=None, store="same"):
     return type(evaluator)(lm or evaluator.lm, evaluator.task, evaluator.items if items is None else items,
                            evaluator.fewshot, fmt=evaluator.fmt, bos="always" if evaluator.bos else "never",
                            batch_size=evaluator.batch_size, max_new_tokens=evaluator.max_new_tokens,
-                           progress=evaluator.progress, store=evaluator.store if store == "same" else store)
+                           exec_timeout_s=evaluator.exec_timeout_s, exec_memory_mb=evaluator.exec_memory_mb,
+                           progress=evaluator.progress, store=evaluator.store if store == "same" else store,
+                           means=evaluator.means)

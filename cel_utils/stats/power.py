@@ -56,13 +56,28 @@ def power_json(n_items: int, n_discordant: int) -> dict:
             "min_detectable_gain_points": mdg}
 
 
-def verdict(significance: dict, power: dict, calibration: dict | None = None) -> dict:
-    """One line for a run: ``kind`` (gain, loss, not significant, underpowered) and ``text``."""
+def verdict(significance: dict, power: dict, calibration: dict | None = None, *, floors: dict | None = None,
+            accuracies: tuple[float, float] | None = None, family: dict | None = None) -> dict:
+    """One line for a run: ``kind`` (gain, loss, not significant, underpowered), ``text``, and ``at_floor``.
+
+    ``family`` (:meth:`cel_utils.stats.multiplicity.Adjusted.to_json`) places the test among others: "significant"
+    then needs the family-adjusted p, and the interval quoted as ruling effects out is the family-adjusted one; without
+    it the run is a family of one. ``floors`` (:mod:`cel_utils.tasks.floors`) with the full and ablated
+    ``accuracies`` put the floor first: a full model that does not beat its best trivial answer says so before
+    anything else."""
     gain, p = significance["gain_points"], significance["p_value"]
     low, high = significance["ci_low"], significance["ci_high"]
-    ci = f"95% CI [{low:+.1f}, {high:+.1f}], p = {p:.2g}"
+    level = round(100 * significance.get("confidence", 0.95))
+    alone = f"{level}% CI [{low:+.1f}, {high:+.1f}], p = {p:.2g}"
+    many = family is not None and family["m"] > 1
+    if many:
+        q, (low, high) = family["p_adjusted"], (family["ci_low"], family["ci_high"])
+        ci = (f"{alone}; among the {family['m']} tests of its family ({family['family']}): {family['method']} p = "
+              f"{q:.2g}, family-adjusted {100 * family['confidence']:.1f}% CI [{low:+.1f}, {high:+.1f}]")
+    else:
+        q, ci = p, alone
     mdg = power["min_detectable_gain_points"]
-    if p <= power["alpha"]:
+    if q <= power["alpha"]:
         kind = "gain" if gain > 0 else "loss"
         text = f"a significant {kind}: {gain:+.1f} points ({ci})"
     elif mdg is None:
@@ -71,12 +86,61 @@ def verdict(significance: dict, power: dict, calibration: dict | None = None) ->
                 f"few for the test to detect any gain ({gain:+.1f} points observed, {ci})")
     else:
         kind = "not significant"
-        text = (f"not significant: {gain:+.1f} points ({ci}); effects outside [{low:+.1f}, {high:+.1f}] points are "
-                f"ruled out at 95% confidence, effects inside it are not (the design: this holdout detects a change of "
-                f"{mdg:.1f} points with {100 * power['power']:.0f}% power)")
+        lead = (f"not significant among the {family['m']} tests of its family, though p = {p:.2g} alone"
+                if many and p <= power["alpha"] else "not significant")
+        text = (f"{lead}: {gain:+.1f} points ({ci}); effects outside [{low:+.1f}, {high:+.1f}] points are ruled out "
+                f"at 95% confidence{' for the family together' if many else ''}, effects inside it are not (the "
+                f"design: this holdout detects a change of {mdg:.1f} points with {100 * power['power']:.0f}% power)")
     if calibration:
         text += "; " + calibration_clause(calibration, power["alpha"])
-    return {"kind": kind, "text": text}
+    floor = floor_clause(floors, accuracies, significance["n_items"], power["alpha"]) if floors and accuracies else None
+    if floor:
+        text = f"{floor}; {text}"
+    return {"kind": kind, "text": text, "at_floor": floor is not None}
+
+
+def floor_name(floors: dict) -> tuple[str, float]:
+    """The best trivial answer in words, and its accuracy (a fraction): the best constant answer, or chance."""
+    from cel_utils.tasks.floors import floor_of
+
+    best, chance = floors.get("best_constant"), floors.get("chance")
+    if best and (chance is None or best["accuracy"] >= chance):
+        answer = best["answer"]
+        label = f"always answering {answer}" if answer.startswith("ending") else f'always answering "{answer}"'
+        return label.replace("answering ending", "choosing ending"), best["accuracy"]
+    if chance is not None:
+        return "chance", chance
+    return "solving nothing", floor_of(floors)
+
+
+def above_floor_p(accuracy: float, n_items: int, floor: float) -> float:
+    """One-sided exact binomial p that an accuracy on ``n_items`` items is above ``floor`` (a fixed rate)."""
+    k = round(accuracy * n_items)
+    if floor <= 0:
+        return 0.0 if k > 0 else 1.0
+    if floor >= 1:
+        return 1.0
+    return float(stats.binomtest(k, n_items, floor, alternative="greater").pvalue)
+
+
+def floor_clause(floors: dict, accuracies: tuple[float, float], n_items: int, alpha: float = ALPHA) -> str | None:
+    """``'at its floor: ...'`` when the full model is not shown to beat its best trivial answer on these items
+    (one-sided exact binomial test at ``alpha``), with where the ablated model lands; None when it beats it."""
+    name, floor = floor_name(floors)
+    full, ablated = accuracies
+    p_full = above_floor_p(full, n_items, floor)
+    if p_full <= alpha:
+        return None
+    where = "below" if full < floor else "not significantly above" if full > floor else "exactly at"
+
+    def pct(x: float) -> str:
+        return f"{100 * x:.1f}%"
+
+    p_ablated = above_floor_p(ablated, n_items, floor)
+    then = ("still below it" if ablated < floor else "above it" if p_ablated <= alpha
+            else "at it" if ablated == floor else "not significantly above it")
+    return (f"at its floor: the full model's {pct(full)} is {where} {name} ({pct(floor)}), and the ablated model's "
+            f"{pct(ablated)} is {then}")
 
 
 def calibration_clause(calibration: dict, alpha: float = ALPHA) -> str:

@@ -3,7 +3,8 @@
 :func:`assess_run` adds to a finished run (search + holdout), in this order of cost:
 
 1. **significance** (free): the exact McNemar p-value and a paired bootstrap interval of the holdout gain
-   (:func:`cel_utils.stats.paired_test`);
+   (:func:`cel_utils.stats.paired_test`), and beside it the paired change of the gold answer's margin
+   (:func:`margin_change`), a secondary measure;
 2. **winner's curse** (free): discovery gain minus holdout gain of the frozen set. The search picked the best
    of hundreds of interventions on the discovery items, so its discovery gain is biased upwards;
 3. **random-set null** (``n_random_sets`` holdout evaluations): the holdout gains of random head sets of the
@@ -41,6 +42,7 @@ from cel_utils.stats.significance import (
     jaccard,
     mean_pairwise_jaccard,
     null_position,
+    paired_mean_change,
     paired_test,
     random_head_sets,
     selection_frequencies,
@@ -49,6 +51,7 @@ from cel_utils.stats.significance import (
 # Independent random streams per use, all derived from the run's seed (stats.CI_STREAM = 101 for the interval,
 # calibration.CV_STREAM = 104 for its folds).
 _NULL_STREAM, _RESAMPLE_STREAM, _NULL_ITEMS_STREAM = 102, 103, 105
+MARGIN_STREAM = 106  # the margin change's bootstrap interval
 
 
 def null_item_indices(n_holdout: int, n_items: int, seed: int = 0) -> np.ndarray:
@@ -129,10 +132,28 @@ def _quantiles(values) -> dict[str, float]:
     return dict(zip(("min", "q25", "median", "q75", "max"), map(float, q)))
 
 
+def margin_change(holdout: HoldoutResult, unit: str | None, seed: int = 0) -> dict | None:
+    """The secondary measure beside the accuracy verdict: the paired change of the gold answer's margin over the
+    holdout items (ablated - full), with its bootstrap interval. It sees every item move, not only those whose answer
+    flipped, so it detects smaller effects, but its unit is the task's score, not accuracy; it never replaces the
+    verdict. None where the margin only says right or wrong (``unit`` None: code that passed or failed)."""
+    if unit is None:
+        return None
+    return {"unit": unit, **paired_mean_change(holdout.full.margin, holdout.ablated.margin, seed=[seed, MARGIN_STREAM])}
+
+
+def _margin_unit(evaluator: Evaluator) -> str | None:
+    """What the evaluator's margins measure (its task kind says), None for an evaluator without a task."""
+    from cel_utils.evaluation.kinds import kind_of
+
+    task = getattr(evaluator, "task", None)
+    return None if task is None else kind_of(task).margin_unit(task)
+
+
 def assess_run(search: SearchResult, holdout: HoldoutResult, discovery: OutcomeTable | Evaluator,
                holdout_evaluator: Evaluator, *, n_random_sets: int, n_resamples: int, resample: str = "bootstrap",
                seed: int = 0, calibration: dict | None = None, null_evaluator: Evaluator | None = None,
-               null_indices: np.ndarray | None = None) -> dict:
+               null_indices: np.ndarray | None = None, floors: dict | None = None) -> dict:
     """Significance, winner's curse, random-set null and stability of one run, as the artifact stores them.
 
     ``calibration`` is the run's calibration baseline (:func:`cel_utils.stats.calibration.calibration_baseline`), stored
@@ -152,7 +173,10 @@ def assess_run(search: SearchResult, holdout: HoldoutResult, discovery: OutcomeT
         "winners_curse": {"discovery_gain_points": search.best.gain, "holdout_gain_points": holdout.gain,
                           "gap_points": search.best.gain - holdout.gain},
         "null": None, "stability": None,
-        "power": power, "calibration": calibration, "verdict": verdict(significance.to_json(), power, calibration),
+        "power": power, "calibration": calibration,
+        "verdict": verdict(significance.to_json(), power, calibration, floors=floors,
+                           accuracies=(holdout.full_accuracy, holdout.ablated_accuracy)),
+        "margin": margin_change(holdout, _margin_unit(holdout_evaluator), seed),
     }
 
     searches, n_before = [], len(table.evaluated)

@@ -6,7 +6,9 @@
   harm`` discordant items (a two-sided binomial test, :func:`scipy.stats.binomtest`). The gain's confidence
   interval is a paired bootstrap: items are resampled with their (full, ablated) pair kept together, i.e.
   the per-item differences ``ablated - full`` in {-1, 0, 1} are resampled, and the percentile interval of
-  their mean is reported (:func:`scipy.stats.bootstrap`, seeded).
+  their mean is reported (:func:`scipy.stats.bootstrap`, seeded). Where fewer than :data:`EXACT_BELOW` answers
+  changed, resamples take only a handful of values and the percentile interval collapses (none changed: [0, 0], as
+  if a change of any size were ruled out); there the interval is exact instead (:func:`exact_gain_interval`).
 * **A null for the search.** Random head sets of the selected set's size, scored on the same holdout: where
   the selected set's gain falls among them (:func:`null_position`).
 * **Stability.** How often each head and each exact set is selected across resampled discovery sets, and
@@ -28,6 +30,12 @@ from cel_utils.models.heads import HeadId, format_heads, head_set
 CONFIDENCE = 0.95
 N_BOOTSTRAP = 10_000
 CI_STREAM = 101  # the bootstrap interval of a run with seed s is drawn from np.random.default_rng([s, CI_STREAM])
+# Below this many changed answers the gain's interval is exact (Clopper-Pearson), not bootstrapped: with D changed
+# answers a resample's gain takes at most 2D + 1 values, and at D < 10 the percentile interval's ends sit on them.
+EXACT_BELOW = 10
+BOOTSTRAP_INTERVAL = "paired bootstrap, percentile"
+EXACT_INTERVAL = (f"exact (fewer than {EXACT_BELOW} answers changed): Clopper-Pearson bounds on the share of changed "
+                  "answers and on the helped share among them, at half the error rate each")
 
 
 @dataclass(frozen=True)
@@ -43,10 +51,12 @@ class PairedTest:
     confidence: float
     n_resamples: int
     p_value: float  # exact McNemar, two-sided
+    interval: str = BOOTSTRAP_INTERVAL  # how ci_low and ci_high were found
 
     def to_json(self) -> dict:
-        return {**asdict(self), "test": "exact McNemar (two-sided binomial test on the discordant items)",
-                "interval": "paired bootstrap, percentile"}
+        fields = asdict(self)
+        interval = fields.pop("interval")
+        return {**fields, "test": "exact McNemar (two-sided binomial test on the discordant items)", "interval": interval}
 
 
 def _as_bool(values) -> np.ndarray:
@@ -75,17 +85,73 @@ def paired_bootstrap_ci(full_correct, ablated_correct, *, confidence: float = CO
     return 100.0 * float(result.confidence_interval.low), 100.0 * float(result.confidence_interval.high)
 
 
+def _clopper_pearson(successes: int, trials: int, confidence: float) -> tuple[float, float]:
+    """The exact two-sided interval of a binomial share; [0, 1] with no trials."""
+    if trials == 0:
+        return 0.0, 1.0
+    interval = stats.binomtest(successes, trials).proportion_ci(confidence_level=confidence, method="exact")
+    return float(interval.low), float(interval.high)
+
+
+def exact_gain_interval(n_items: int, helped: int, harmed: int, confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """An exact interval of the gain in points, for few changed answers.
+
+    The gain is ``d (2 q - 1)``: ``d`` the share of items whose answer changes, ``q`` the helped share among them.
+    Clopper-Pearson intervals for both, each at half the error rate (Bonferroni), hold together with at least
+    ``confidence``; the gain's interval is its range over that box. With no changed answer ``q`` is unconstrained
+    (its interval is [0, 1] for certain), so ``d`` takes the whole error rate and the interval is ``[-d_hi, +d_hi]``
+    (about 3.7 / n at 95%, the rule of three's kin), never [0, 0]."""
+    if n_items == 0:
+        return float("nan"), float("nan")
+    changed = helped + harmed
+    each = confidence if changed == 0 else 1 - (1 - confidence) / 2
+    d_low, d_high = _clopper_pearson(changed, n_items, each)
+    q_low, q_high = _clopper_pearson(helped, changed, each)
+    corners = [d * (2 * q - 1) for d in (d_low, d_high) for q in (q_low, q_high)]
+    return 100.0 * min(corners), 100.0 * max(corners)
+
+
 def paired_test(full_correct, ablated_correct, *, confidence: float = CONFIDENCE, n_resamples: int = N_BOOTSTRAP,
                 seed=0) -> PairedTest:
-    """Gain, its paired bootstrap interval and the exact McNemar p-value, from per-item correctness."""
+    """Gain, its interval (paired bootstrap; exact below :data:`EXACT_BELOW` changed answers) and the exact McNemar
+    p-value, from per-item correctness."""
     full, ablated = _as_bool(full_correct), _as_bool(ablated_correct)
     if full.shape != ablated.shape:
         raise ValueError(f"paired vectors differ in length: {full.shape} vs {ablated.shape}")
-    low, high = paired_bootstrap_ci(full, ablated, confidence=confidence, n_resamples=n_resamples, seed=seed)
+    helped, harmed = int((~full & ablated).sum()), int((full & ~ablated).sum())
+    if helped + harmed < EXACT_BELOW:
+        (low, high), interval = exact_gain_interval(len(full), helped, harmed, confidence), EXACT_INTERVAL
+    else:
+        low, high = paired_bootstrap_ci(full, ablated, confidence=confidence, n_resamples=n_resamples, seed=seed)
+        interval = BOOTSTRAP_INTERVAL
     gain = 100.0 * (int(ablated.sum()) - int(full.sum())) / len(full) if len(full) else float("nan")
-    return PairedTest(n_items=len(full), help=int((~full & ablated).sum()), harm=int((full & ~ablated).sum()),
-                      gain_points=gain, ci_low=low, ci_high=high, confidence=confidence, n_resamples=n_resamples,
-                      p_value=mcnemar_exact(full, ablated))
+    return PairedTest(n_items=len(full), help=helped, harm=harmed, gain_points=gain, ci_low=low, ci_high=high,
+                      confidence=confidence, n_resamples=n_resamples, p_value=mcnemar_exact(full, ablated),
+                      interval=interval)
+
+
+def paired_mean_change(before, after, *, confidence: float = CONFIDENCE, n_resamples: int = N_BOOTSTRAP,
+                       seed=0) -> dict:
+    """The mean per-item change ``after - before`` of a continuous score (the gold answer's margin) with its paired
+    bootstrap percentile interval; items whose score is not finite on either side are left out (and counted)."""
+    before, after = np.asarray(before, dtype=float), np.asarray(after, dtype=float)
+    if before.shape != after.shape:
+        raise ValueError(f"paired vectors differ in length: {before.shape} vs {after.shape}")
+    keep = np.isfinite(before) & np.isfinite(after)
+    diff = after[keep] - before[keep]
+    if diff.size == 0:
+        low = high = mean = float("nan")
+    else:
+        mean = float(diff.mean())
+        if np.ptp(diff) == 0:
+            low = high = mean
+        else:
+            result = stats.bootstrap((diff,), np.mean, n_resamples=n_resamples, confidence_level=confidence,
+                                     method="percentile", vectorized=True, rng=np.random.default_rng(seed))
+            low, high = float(result.confidence_interval.low), float(result.confidence_interval.high)
+    return {"n_items": int(keep.sum()), "n_left_out": int((~keep).sum()), "mean_change": mean, "ci_low": low,
+            "ci_high": high, "confidence": confidence, "share_up": float((diff > 0).mean()) if diff.size else float("nan"),
+            "interval": BOOTSTRAP_INTERVAL}
 
 
 # --- the random-set null ----------------------------------------------------------------------------------------

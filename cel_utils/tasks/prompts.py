@@ -1,6 +1,7 @@
 """Turn task items into tokenized requests, in the ``plain`` or ``chat`` prompt format.
 
-``plain`` is lm-eval's format: exemplars ``text + answer`` joined by ``"\\n\\n"``, then the item's text; the
+``plain`` is lm-eval's format: an optional description, then exemplars ``text + answer`` joined by the task's few-shot
+delimiter (lm-eval's default ``"\\n\\n"``), then the item's text; the
 answer continues the prompt directly (its delimiter is part of the answer string). Like lm-eval, a BOS token starts the
 prompt when the tokenizer adds one by default (:func:`resolve_bos`; the ``bos`` run setting overrides it); trailing spaces of the context move to the continuation and
 the pair is tokenized as one string (lm-eval's ``_encode_pair``).
@@ -14,13 +15,11 @@ Tokenization happens once per run; the evaluators only ever see token ids.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cel_utils.tasks.specs import Item, TaskSpec
 
 FORMATS = ("plain", "chat")
-
-FEWSHOT_DELIMITER = "\n\n"
 
 
 @dataclass(frozen=True)
@@ -53,6 +52,7 @@ class GenRequest:
     tests: tuple[str, ...]
     setup: str
     prefix: str  # text already in the context that belongs to the answer (the chat variant's code fence)
+    doc: dict | None = field(default=None, repr=False, compare=False)  # the row, for a task's own generation scorer
 
     @property
     def n_tokens(self) -> int:
@@ -90,8 +90,9 @@ def render_context(task: TaskSpec, doc: dict, fewshot: list[Item], fmt: str, tok
     template writes its own)."""
     _check_format(fmt)
     if fmt == "plain":
-        shots = [task.doc_to_text(ex.doc) + task.target_delimiter + task.doc_to_target(ex.doc) for ex in fewshot]
-        text = FEWSHOT_DELIMITER.join(shots + [task.doc_to_text(doc)])
+        shots = [task.exemplar(ex.doc) for ex in fewshot]
+        description = task.description(doc) if callable(task.description) else task.description
+        text = description + task.fewshot_delimiter.join(shots + [task.doc_to_text(doc)])
         return (tokenizer.bos_token + text) if bos else text
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("prompt format 'chat' needs a tokenizer with a chat template; this model has none, use 'plain'")
@@ -108,9 +109,10 @@ def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
-def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
-    """lm-eval's pairing: move the context's trailing spaces into the continuation, tokenize the whole."""
-    n_spaces = len(context) - len(context.rstrip(" "))
+def encode_pair(tokenizer, context: str, continuation: str, moved: str | None = " ") -> tuple[list[int], list[int]]:
+    """lm-eval's pairing: move the context's trailing spaces (the characters in ``moved``; None: any whitespace, as
+    lm-eval 0.4.13 does) into the continuation, tokenize the whole."""
+    n_spaces = len(context) - len(context.rstrip(moved))
     if n_spaces:
         context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
     whole = _encode(tokenizer, context + continuation)
@@ -131,7 +133,7 @@ def build_requests(task: TaskSpec, items: list[Item], fewshot: list[Item], token
             continuations = [_encode(tokenizer, a) for a in answers]
         else:
             answers = [task.target_delimiter + c for c in choices]
-            pairs = [encode_pair(tokenizer, context, a) for a in answers]
+            pairs = [encode_pair(tokenizer, context, a, task.moved_whitespace) for a in answers]
             context_ids = pairs[0][0]
             continuations = [cont for _, cont in pairs]
         if not context_ids or not all(continuations):
@@ -150,7 +152,7 @@ def reference_requests(task: TaskSpec, items: list[Item], fewshot: list[Item], t
     for item in items:
         context = render_context(task, item.doc, fewshot, fmt, tokenizer, bos)
         answer = _texts(task, item.doc, fmt)[1].removeprefix(task.chat_prefix if fmt == "chat" else "")
-        context_ids, continuation = (encode_pair(tokenizer, context, answer) if fmt == "plain"
+        context_ids, continuation = (encode_pair(tokenizer, context, answer, task.moved_whitespace) if fmt == "plain"
                                      else (_encode(tokenizer, context), _encode(tokenizer, answer)))
         requests.append(Request(item_id=item.id, context=tuple(context_ids), continuations=(tuple(continuation),),
                                 gold=0, choice_chars=(len(answer),), prompt=context, answers=(answer,)))
@@ -165,6 +167,6 @@ def build_gen_requests(task: TaskSpec, items: list[Item], fewshot: list[Item], t
         context = render_context(task, item.doc, fewshot, fmt, tokenizer, bos)
         requests.append(GenRequest(
             item_id=item.id, context=tuple(_encode(tokenizer, context)), prompt=context,
-            stop=task.chat_stop if fmt == "chat" else task.stop, tests=tuple(item.doc["test_list"]),
-            setup=item.doc.get("test_setup_code", ""), prefix=task.chat_prefix if fmt == "chat" else ""))
+            stop=task.chat_stop if fmt == "chat" else task.stop, tests=tuple(item.doc.get("test_list", ())),
+            setup=item.doc.get("test_setup_code", ""), prefix=task.chat_prefix if fmt == "chat" else "", doc=item.doc))
     return requests

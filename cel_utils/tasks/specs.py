@@ -64,10 +64,30 @@ class TaskSpec:
     # "answer" -> one additive offset per answer (BoolQ's no / yes); "length" -> one per answer-length bucket
     # (HellaSwag's endings); None -> no baseline (greedy match and generation have no answers to shift).
     calibration: str | None = None
+    # lm-eval's knobs that the four built-in tasks leave at their defaults (cel_utils.tasks.lmeval sets them):
+    fewshot_delimiter: str = "\n\n"  # between exemplars, and between the last exemplar and the item
+    description: str | Callable[[dict], str] = ""  # text before the first exemplar (of the item's prompt)
+    doc_to_exemplar: Callable[[dict], str] | None = None  # an exemplar's whole text; None: text + delimiter + target
+    fewshot_first_n: bool = False  # exemplars from fewshot_split without fewshot_ids: the first n (else a seeded draw)
+    # what moves from the end of a context into the answer before the pair is tokenized (prompts.encode_pair): spaces
+    # for the built-in tasks (no context of theirs ends in other whitespace but MBPP's, whose requests are fixed), any
+    # whitespace (None) for lm-eval's tasks, as lm-eval 0.4.13 does
+    moved_whitespace: str | None = " "
+    # A generation task decided otherwise than by running the item's test_list (kinds.py): (task, requests,
+    # completions, timeout_s=...) -> Outcome. None: MBPP's pass@1 in the sandbox.
+    score_generations: Callable | None = None
+    # Where the declaration came from (an lm-eval task: its version, YAML and config hash), for the data provenance.
+    declaration: dict | None = None
 
     @property
     def all_metrics(self) -> tuple[str, ...]:
         return self.metrics or (self.metric,)
+
+    def exemplar(self, doc: dict) -> str:
+        """A few-shot exemplar as a plain prompt shows it: the text, the target delimiter and the answer."""
+        if self.doc_to_exemplar is not None:
+            return self.doc_to_exemplar(doc)
+        return self.doc_to_text(doc) + self.target_delimiter + self.doc_to_target(doc)
 
     def answers(self, doc: dict) -> tuple[list[str], int]:
         """The answers whose log-likelihoods are scored, and the index of the right one: the choices of a
@@ -166,8 +186,15 @@ TASKS: dict[str, TaskSpec] = {
 
 
 def get_task(name: str) -> TaskSpec:
+    """A built-in task by name, or an lm-evaluation-harness task spelled ``lmeval:<name>`` or ``lmeval:<file>.yaml``
+    (:mod:`cel_utils.tasks.lmeval`)."""
+    if isinstance(name, str) and name.startswith("lmeval:"):
+        from cel_utils.tasks.lmeval import lmeval_task
+
+        return lmeval_task(name)
     if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}: choose from {', '.join(TASKS)}")
+        raise ValueError(f"unknown task {name!r}: choose from {', '.join(TASKS)}, or an lm-evaluation-harness task as "
+                         "lmeval:<name> or lmeval:<file>.yaml (`cel list --lmeval <part of a name>` lists them)")
     return TASKS[name]
 
 

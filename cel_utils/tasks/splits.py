@@ -158,10 +158,18 @@ def load_task_data(task: TaskSpec | str, n_discovery: int | None = None, n_holdo
 
     if task.fewshot_split is not None:
         exemplar_pool = _load_items(task, task.fewshot_split, data_dir, sources)
-        by_id = {item.id: item for item in exemplar_pool}
-        fewshot = [by_id[str(i)] for i in task.fewshot_ids][:num_fewshot]
+        if task.fewshot_ids:
+            by_id = {item.id: item for item in exemplar_pool}
+            fewshot = [by_id[str(i)] for i in task.fewshot_ids][:num_fewshot]
+        else:  # a declared exemplar split (lm-eval's fewshot_split): its first n, or a seeded draw, none in either set
+            exemplar_pool = _disjoint_from(task, exemplar_pool, holdout + discovery)
+            order = (range(len(exemplar_pool)) if task.fewshot_first_n
+                     else np.random.default_rng([seed, 3]).permutation(len(exemplar_pool)))
+            fewshot = [exemplar_pool[i] for i in order][:num_fewshot]
         if len(fewshot) < num_fewshot:
-            raise ValueError(f"{task.name}: only {len(fewshot)} fixed exemplars exist, asked for num_fewshot={num_fewshot}; "
+            which = ("fixed exemplars exist" if task.fewshot_ids
+                     else f"exemplars exist in its {task.fewshot_split} split")
+            raise ValueError(f"{task.name}: only {len(fewshot)} {which}, asked for num_fewshot={num_fewshot}; "
                              f"use num_fewshot <= {len(fewshot)}")
     else:
         if num_fewshot > len(rest):
@@ -174,4 +182,6 @@ def load_task_data(task: TaskSpec | str, n_discovery: int | None = None, n_holdo
     source_kinds = sorted({s["source"] for s in sources})
     provenance = {"source": "+".join(source_kinds), "splits": sources, "seed": seed, "n_discovery": len(discovery),
                   "n_holdout": len(holdout), "num_fewshot": num_fewshot, "fewshot_ids": [i.id for i in fewshot], **notes}
+    if task.declaration is not None:  # an lm-eval task: its version, YAML and config hash (cel_utils.tasks.lmeval)
+        provenance["declaration"] = task.declaration
     return TaskData(task=task, discovery=discovery, holdout=holdout, fewshot=fewshot, provenance=provenance)

@@ -1,9 +1,9 @@
-"""Kernel layers of the sandbox (see cel_utils.evaluation.sandbox): namespaces, private mounts, the drop to
+"""Kernel layers of the sandbox (see cel_utils.sandbox): namespaces, private mounts, the drop to
 `nobody` as root, or a user namespace with a read-only filesystem and no capabilities without root; rlimits; a
 seccomp filter against Unix sockets. Also GUARDS, which both sides read (the worker refuses to run a candidate
 that only the audit hook would guard), and the parent's clean-up of a workdir.
 
-Standard library only: _sandbox_child.py imports this file by path before anything is isolated or any privilege
+Standard library only: child.py loads this file by path before anything is isolated or any privilege
 given up (see its docstring); the project itself is never imported here.
 
 Two ways to the same namespaces:

@@ -1,6 +1,6 @@
 """The sandbox worker's last layers, in the candidate's own interpreter: the audit hook that stands in for missing
 kernel layers, and the harness that runs setup, program and tests and writes the verdict (statuses: see
-cel_utils.evaluation.sandbox).
+cel_utils.sandbox).
 
 How cheating is scored. Exit status 0 never counts. A pass is the harness's verdict line "<secret> passed",
 where the secret is 128 random bits made per run and handed over on stdin (which the candidate then finds
@@ -20,8 +20,8 @@ or a patched module function that a test calls (math.isclose), makes false asser
 visible code, not an accident of generation; closing them needs the asserts evaluated outside the candidate's
 process (values passed back as plain data), which is not done.
 
-Standard library only, imported by _sandbox_child.py by path before anything is isolated (see its docstring);
-sandbox.py imports it too, for `judge`, which turns the supervisor's record into a status by the rules above.
+Standard library only, loaded by child.py by path before anything is isolated (see its docstring); run.py imports
+it too, for `judge`, which turns the supervisor's record into a status by the rules above.
 """
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ def run_candidate(job: dict, secret: str, verdict_fd: int) -> None:
     verdict("passed", "", None)
 
 
-# --- judging, in the parent (sandbox.py) -----------------------------------------------------------------------------
+# --- judging, in the parent (run.py) ---------------------------------------------------------------------------------
 
 def read_report(data: bytes, secret: str) -> dict | None:
     """The supervisor's record: the first line carrying this run's secret."""
@@ -179,7 +179,7 @@ def read_report(data: bytes, secret: str) -> dict | None:
 
 def judge(record: dict | None, backstop: bool, supervisor_rc: int | None,
           timeout_s: float, grace_s: float) -> tuple[str, int | None, str]:
-    """Status, return code and a one-line explanation, from what the supervisor recorded (sandbox.py: `backstop`
+    """Status, return code and a one-line explanation, from what the supervisor recorded (run.py: `backstop`
     means it killed the supervisor itself, timeout_s + grace_s after starting it)."""
     if backstop:
         return "timeout", None, f"the sandbox did not finish within {timeout_s + grace_s:g} s and was killed"

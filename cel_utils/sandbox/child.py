@@ -1,13 +1,13 @@
-"""Child side of cel_utils.evaluation.sandbox; run as `python -I -B _sandbox_child.py` with the job as JSON on stdin.
+"""Child side of cel_utils.sandbox; run as `python -I -B child.py` with the job as JSON on stdin.
 
 Standard library only and never imported by the parent: it runs before anything else in a fresh interpreter, and
 the worker, once isolated, may not be able to read the project (as `nobody`, or behind a 0700 home). Its two
-siblings, _sandbox_isolation.py (the kernel layers) and _sandbox_harness.py (audit hook, running the candidate),
-are imported by path at start-up, while this process can still read them; their directory then leaves sys.path
-again, so the candidate's imports resolve as in any isolated interpreter.
+siblings, isolation.py (the kernel layers) and harness.py (audit hook, running the candidate), are loaded by path
+at start-up, while this process can still read them, under private names and without putting their directory on
+sys.path, so the candidate's imports resolve as in any isolated interpreter.
 
 Two processes:
-  supervisor  this script as started by sandbox.py (own session). It unshares namespaces (inside a new user
+  supervisor  this script as started by run.py (own session). It unshares namespaces (inside a new user
               namespace when not root), forks the worker, enforces the wall-clock limit, kills leftovers and
               records how the worker ended.
   worker      pid 1 of a new pid namespace where possible. It builds its private filesystem view, sets rlimits,
@@ -23,6 +23,7 @@ the secret, on the report fd that only it holds.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -30,11 +31,19 @@ import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _sandbox_harness as harness  # noqa: E402  (siblings by path, see above)
-import _sandbox_isolation as isolation  # noqa: E402
 
-del sys.path[0]
+def _sibling(name: str):
+    """The module `name`.py beside this file, loaded by path as `_cel_sandbox_<name>` (see above)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_cel_sandbox_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+harness = _sibling("harness")
+isolation = _sibling("isolation")
 
 
 # --- supervisor ---------------------------------------------------------------------------------------------------
@@ -46,7 +55,7 @@ def main() -> None:
     os.close(null)
     secret, report_fd = job.pop("secret"), job["report_fd"]
 
-    layers = ["session"] + isolation.enter_namespaces(job["disable"])  # session: sandbox.py's start_new_session
+    layers = ["session"] + isolation.enter_namespaces(job["disable"])  # session: run.py's start_new_session
     setup_r, setup_w = os.pipe()      # worker -> supervisor: the layers it set up, closed before the candidate runs
     verdict_r, verdict_w = os.pipe()  # worker -> supervisor: the verdict; the candidate cannot read it back
     start = time.monotonic()

@@ -1,0 +1,711 @@
+"""lm-evaluation-harness's tasks as CEL tasks: ``lmeval:<name>`` from its registry, ``lmeval:<file>.yaml`` for a YAML of
+your own.
+
+:func:`lmeval_task` turns one lm-eval task declaration into a :class:`~cel_utils.tasks.specs.TaskSpec`, so that every
+place that names a task (``RunConfig(task=...)``, ``cel run``/``grid``, papermill, the explorer) takes it through
+:func:`cel_utils.tasks.specs.get_task`. The text of every prompt, answer and exemplar is lm-eval's own (its Jinja
+templates, ``process_docs`` and delimiters, called on its own task object); CEL does the rest as for its built-in tasks:
+
+=====================  ===========  ==============================================================================
+lm-eval output_type    CEL kind     decision
+=====================  ===========  ==============================================================================
+multiple_choice        choice       the highest log-likelihood (``acc``), or per character (``acc_norm``, primary
+                                    where the task declares it), as lm-eval's ``process_results``
+loglikelihood          greedy       every target token the greedy one (lm-eval's ``is_greedy``, its ``acc``)
+generate_until         generate     greedy decoding that stops at the first ``until`` string (the others cut the text
+                                    afterwards, as lm-eval does), then lm-eval's filters and ``process_results``
+                                    (exact_match and the like; each item's value must be 0 or 1). Code tasks
+                                    (``unsafe_code: true``) run the filtered completion with the task's reference
+                                    tests in CEL's sandbox (pass@1); lm-eval's code execution is never called
+loglikelihood_rolling  (none)       an error: perplexity has no per-item decision to improve
+=====================  ===========  ==============================================================================
+
+Splits and exemplars. The holdout is lm-eval's evaluation split (``test_split``, else ``validation_split``); discovery
+comes from ``training_split`` where there is one (else a seeded draw from the holdout's split, disjoint from the
+holdout, as for arithmetic). Exemplars come from ``fewshot_config``'s split or fixed samples (``sampler: first_n``: the
+first n; otherwise a draw with the run's seed), else from items in neither set, and are the same for every item (CEL's
+prompts share one prefix; lm-eval's default sampler draws other exemplars for each item).
+
+Data. The task object's dataset is loaded through :func:`cel_utils.tasks.data.load_declared`: from the local mirror
+(``data_dir`` or ``$CEL_DATA_DIR``) when one is set, else from the hub; a split the mirror lacks counts as undeclared
+(so discovery falls back as for the built-in tasks, and the run records it).
+
+Identity. The data provenance of a run (the artifact's ``data.declaration``) records lm-eval's version, the YAML and
+the sha256 of the resolved configuration (every value, and the source of the modules its functions come from). The
+evaluation store needs no hash: its records are keyed by the exact token ids of every request (and a generation's stop
+string), and the decision rule runs again on whatever is read, so a YAML whose prompt changes gets new records and one
+whose metric changes re-decides stored statistics.
+
+Unsupported, each with an error that says so: groups and tags (a run is one task; run their tasks as a grid), tasks
+written as Python classes, multiple-input tasks (Winogrande's: the choices are contexts), ``gen_prefix``, images and
+audio, sampled generation, repeats, and a multiple-choice ``process_results`` of the task's own.
+
+The version seam. Everything that depends on how lm-eval 0.4 finds and reads its task files is in the section "lm-eval's
+registry" below (0.4.12's TaskIndex and ``load_yaml``); 0.5 changes task loading, and only that section should need to
+follow it. The pinned range is in pyproject.toml.
+"""
+from __future__ import annotations
+
+import contextlib
+import difflib
+import hashlib
+import inspect
+import json
+import logging
+import os
+import re
+from functools import cache, lru_cache, partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cel_utils.tasks.data import SplitUnavailable, Source, load_declared, resolve_data_dir
+from cel_utils.tasks.specs import TaskSpec
+
+PREFIX = "lmeval:"
+INCLUDE_ENV = "CEL_LMEVAL_INCLUDE"  # folders of YAML tasks (os.pathsep-separated), as lm-eval's --include_path
+SAMPLES_SPLIT = "fewshot_samples"  # the split a task's fixed exemplars (fewshot_config.samples) are served as
+KINDS = {"multiple_choice": "choice", "loglikelihood": "greedy", "generate_until": "generate"}
+CHOICE_METRICS = ("acc_norm", "acc")  # what the choice kind decides by (cel_utils.tasks.scoring.decide_choice)
+DEFAULT_SIZES = (2000, 1000)  # discovery and holdout when a run gives none (the paper's arithmetic sizes)
+
+
+def is_lmeval(name: str) -> bool:
+    return isinstance(name, str) and name.startswith(PREFIX)
+
+
+def lmeval_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lm_eval")
+    except PackageNotFoundError:
+        raise ModuleNotFoundError("lmeval: tasks need lm-evaluation-harness: `pip install 'lm-eval>=0.4.12,<0.5'` "
+                                  "(a dependency of cel-book; reinstall with `pip install -e .`)") from None
+
+
+@contextlib.contextmanager
+def _quiet():
+    """lm-eval logs a warning for every default it fills in (aggregations, generation settings): not news here."""
+    logger = logging.getLogger("lm_eval")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """datasets draws a bar for every ``map`` (lm-eval's process_docs): noise in a run's log."""
+    from datasets.utils import disable_progress_bars, enable_progress_bars, are_progress_bars_disabled
+
+    was = are_progress_bars_disabled()
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was:
+            enable_progress_bars()
+
+
+# --- lm-eval's registry (the version seam) ----------------------------------------------------------------------------
+
+def _read_yaml(path: Path, resolve: bool) -> dict:
+    """One task file with its ``include:`` files merged; ``resolve``: import its ``!function`` references (else each is
+    the string ``<folder>/<module>.<function>``)."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    return load_yaml(path, resolve_func=resolve, recursive=True)
+
+
+def _include_folders() -> tuple[str, ...]:
+    folders = tuple(p for p in os.environ.get(INCLUDE_ENV, "").split(os.pathsep) if p)
+    for folder in folders:
+        if not Path(folder).expanduser().is_dir():
+            raise FileNotFoundError(f"${INCLUDE_ENV} names {folder!r}, which is not a folder: point it at folders of "
+                                    "lm-eval YAML tasks (separated by ':'), or unset it")
+    return folders
+
+
+@cache
+def _index(folders: tuple[str, ...]) -> dict:
+    """lm-eval's index of task, group and tag names over its own tasks and ``folders`` (later ones win, as with its
+    --include_path). About 10 s: it reads every YAML file it has."""
+    from lm_eval.tasks import TaskManager
+
+    lmeval_version()
+    with _quiet():
+        return dict(TaskManager(include_path=[str(Path(f).expanduser()) for f in folders] or None).task_index)
+
+
+@cache
+def _find_by_text(target: str, folders: tuple[str, ...]) -> Path | None:
+    """The task file that declares ``task: <target>`` on a line of its own, found by reading the files as text (a second
+    or two, where lm-eval's index takes ten; once per process): the include folders first, as they win. None when no
+    file does (a name made by a group's task list, a tag, a group): then the index decides."""
+    import lm_eval
+
+    quote = "['\"]?"
+    pattern = re.compile(rf"^{quote}task{quote}:\s*{quote}{re.escape(target)}{quote}\s*$", re.MULTILINE)
+    for root in [Path(f).expanduser() for f in reversed(folders)] + [Path(lm_eval.__file__).parent / "tasks"]:
+        for path in sorted(root.glob("**/*.yaml")):
+            try:
+                if pattern.search(path.read_text(encoding="utf-8", errors="replace")) and \
+                        _read_yaml(path, resolve=False).get("task") == target:
+                    return path
+            except Exception:  # an unreadable file: the index reports or skips it
+                continue
+    return None
+
+
+def _kind_of(entry) -> str:
+    return entry.kind.name.lower()  # task, py_task, group, tag
+
+
+def _members(entry) -> list[str]:
+    if _kind_of(entry) == "tag":
+        return sorted(entry.tags)
+    listed = (entry.cfg or {}).get("task") or []
+    return [m if isinstance(m, str) else m.get("task") or m.get("group") for m in listed]
+
+
+def _unreadable_yaml(folders: tuple[str, ...]) -> list[str]:
+    """The YAML files in ``folders`` that do not parse (lm-eval's index skips them without a word)."""
+    bad = []
+    for folder in folders:
+        for path in sorted(Path(folder).expanduser().glob("**/*.yaml")):
+            try:
+                _read_yaml(path, resolve=False)
+            except Exception as error:  # a YAML syntax error, an include that is missing
+                bad.append(f"{path}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+    return bad
+
+
+def _locate(target: str) -> tuple[str, Path]:
+    """(lm-eval's task name, its YAML file) for what follows ``lmeval:``."""
+    if target.endswith((".yaml", ".yml")):
+        path = Path(target).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"lmeval:{target}: no such YAML file (from {Path.cwd()}); give the path of an "
+                                    "lm-eval task file, absolute for runs in other folders (grid cells, Slurm jobs)")
+        raw = _parse(path)
+        if "group" in raw or not isinstance(raw.get("task"), str):
+            raise ValueError(f"lmeval:{target} declares a group (its 'task' is a list), and a CEL run localizes heads "
+                             "for one task: run each of its task files (lmeval:<file>.yaml) as a grid")
+        return raw["task"], path.resolve()
+    folders = _include_folders()
+    found = _find_by_text(target, folders)
+    if found is not None:
+        return target, found
+    index = _index(folders)
+    entry = index.get(target)
+    if entry is None:
+        close = difflib.get_close_matches(target, list(index), n=5, cutoff=0.75)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        bad = _unreadable_yaml(folders)
+        unread = f" {len(bad)} YAML file(s) in ${INCLUDE_ENV} could not be read: {'; '.join(bad[:3])}." if bad else ""
+        raise ValueError(f"unknown lm-eval task {target!r}: {hint}`cel list --lmeval <part of a name>` searches the "
+                         f"{len(index)} names lm-eval {lmeval_version()} knows; a task file of your own is "
+                         f"lmeval:/path/to/task.yaml, or a folder of them in ${INCLUDE_ENV}.{unread}")
+    kind = _kind_of(entry)
+    if kind in ("group", "tag"):
+        members = _members(entry)
+        shown = " ".join(PREFIX + m for m in members[:4]) + (" ..." if len(members) > 4 else "")
+        raise ValueError(f"lmeval:{target} is lm-eval's {kind} of {len(members)} tasks, and a CEL run localizes heads "
+                         f"for one task: run its tasks as a grid (`cel grid --tasks {shown}`; groups among them are "
+                         f"expanded the same way; `cel list --lmeval {target}` lists them)")
+    if kind != "task" or entry.yaml_path is None:
+        raise ValueError(f"lmeval:{target} is defined by a Python class, not a YAML declaration; only YAML tasks can "
+                         "be run (their prompts and metrics are declared, so CEL can score them)")
+    return entry.name, Path(entry.yaml_path)
+
+
+def _parse(path: Path) -> dict:
+    """The task file without importing its functions; a file that does not parse is an error naming it."""
+    try:
+        return _read_yaml(path, resolve=False)
+    except Exception as error:  # yaml's errors carry the line and column
+        problem = " ".join(str(error).split())
+        raise ValueError(f"cannot read the lm-eval task file {path}: {type(error).__name__}: {problem}; fix the YAML "
+                         "(lm-eval's task format: docs/new_task_guide.md of EleutherAI/lm-evaluation-harness)"
+                         ) from None
+
+
+def search(part: str) -> list[dict]:
+    """The registry's names (and those in $CEL_LMEVAL_INCLUDE) containing ``part``, case-insensitively: each with its
+    kind (task, group, tag, py_task) and, for a task, its output type; for a group or tag, its members."""
+    part = part.lower()
+    rows = []
+    for name, entry in sorted(_index(_include_folders()).items()):
+        if part not in name.lower():
+            continue
+        kind = _kind_of(entry)
+        row = {"name": name, "kind": kind}
+        if kind == "task":
+            row["output_type"] = (entry.cfg or {}).get("output_type", "generate_until")
+        elif kind in ("group", "tag"):
+            row["members"] = _members(entry)
+        rows.append(row)
+    return rows
+
+
+@cache
+def _compile_templates_once() -> None:
+    """lm-eval compiles a task's Jinja template at every use (``lm_eval.utils.apply_template``); compiled once each,
+    the prompts of HellaSwag's 10,042 items take seconds instead of half a minute. A template renders the same text
+    either way."""
+    import lm_eval.utils
+
+    compiled = lru_cache(maxsize=4096)(lm_eval.utils.env.from_string)
+
+    def apply_template(template: str, doc: dict) -> str:
+        return compiled(template).render(**doc)
+
+    lm_eval.utils.apply_template = apply_template
+
+
+# --- the code-execution guard ---------------------------------------------------------------------------------------
+
+class _NoCodeEval:
+    """Stands in for HF evaluate's ``code_eval``, which lm-eval's code tasks load when their functions are imported
+    (from the hub) and which runs model-written code in threads of this process. It runs nothing: CEL runs such code in
+    its sandbox (:mod:`cel_utils.sandbox`). The import-time self-check of those modules only needs an answer
+    of the right shape, so it gets NaN."""
+
+    def compute(self, *, references=None, predictions=None, k=(1,), **_) -> tuple[dict, dict]:
+        return {f"pass@{n}": float("nan") for n in k}, {}
+
+
+@contextlib.contextmanager
+def _no_code_eval(code_task: bool):
+    """While a code task's functions are imported (``unsafe_code: true``; importing evaluate takes seconds, so only
+    then), ``evaluate.load("code_eval")`` gives :class:`_NoCodeEval`."""
+    try:
+        if not code_task:
+            raise ImportError
+        import evaluate
+    except ImportError:  # not a code task, or no evaluate: then a code task's module cannot load code_eval either
+        yield
+        return
+    original = evaluate.load
+
+    def load(path, *args, **kwargs):
+        return _NoCodeEval() if path == "code_eval" else original(path, *args, **kwargs)
+
+    evaluate.load = load
+    try:
+        yield
+    finally:
+        evaluate.load = original
+
+
+# --- the resolved declaration ---------------------------------------------------------------------------------------
+
+def _canonical(value: Any) -> Any:
+    """JSON-able form of a resolved config for hashing: a function by its name and its module's source."""
+    if isinstance(value, dict):
+        return {str(k): _canonical(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if callable(value):
+        try:
+            source = inspect.getsource(inspect.getmodule(value) or value)
+        except (OSError, TypeError):
+            source = None
+        return {"function": getattr(value, "__qualname__", repr(value)), "module_source": source}
+    return repr(value)
+
+
+def config_sha256(config: dict) -> str:
+    """sha256 of a resolved task config: every value, and the source of each function's module (where it was read)."""
+    canonical = _canonical({k: v for k, v in config.items() if k != "metadata"} | {
+        "metadata": {k: v for k, v in (config.get("metadata") or {}).items() if k != "config_source"}})
+    return hashlib.sha256(json.dumps(canonical, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _shown_path(path: Path) -> str:
+    """A registry task's YAML relative to the lm_eval package (the same on every machine), else the path itself."""
+    parts = path.parts
+    return "/".join(parts[parts.index("lm_eval"):]) if "lm_eval" in parts else str(path)
+
+
+def _unsupported(config, name: str) -> str | None:
+    output = config.output_type
+    if output == "loglikelihood_rolling":
+        return (f"lmeval:{name} is a perplexity task (output_type loglikelihood_rolling): it scores a text's "
+                "likelihood and has no per-item right or wrong answer, so no ablation can be said to improve an item; "
+                "choose a multiple_choice, loglikelihood or generate_until task")
+    if output not in KINDS:
+        return f"lmeval:{name} has output_type {output!r}, which CEL cannot score"
+    if config.gen_prefix:
+        return f"lmeval:{name} sets gen_prefix, which CEL's prompts do not support yet"
+    if config.doc_to_image or config.doc_to_audio:
+        return f"lmeval:{name} has images or audio; CEL's models read text only"
+    if (config.repeats or 1) > 1:
+        return f"lmeval:{name} repeats each request {config.repeats} times (sampling); CEL decodes greedily, once"
+    kwargs = config.generation_kwargs or {}
+    if output == "generate_until" and (kwargs.get("do_sample") or float(kwargs.get("temperature") or 0) > 0):
+        return f"lmeval:{name} samples its generations ({kwargs}); CEL decodes greedily"
+    if output != "generate_until" and callable(config.process_results):
+        return (f"lmeval:{name} decides items with a process_results function of its own, which CEL cannot reproduce "
+                "from its log-likelihood statistics")
+    if callable(config.custom_dataset):
+        return f"lmeval:{name} builds its dataset in Python (custom_dataset); CEL loads declared datasets only"
+    return None
+
+
+def _metric_names(config) -> list[str]:
+    from lm_eval.api.registry import DEFAULT_METRIC_REGISTRY
+
+    if config.metric_list is None:
+        return list(DEFAULT_METRIC_REGISTRY[config.output_type])
+    return [m["metric"] if isinstance(m["metric"], str) else m["metric"].__name__ for m in config.metric_list]
+
+
+class Declared:
+    """One lm-eval task declaration, resolved, and the lm-eval task objects built from it (one per data location).
+
+    lm-eval's templates are methods of a task object, and a task object is built with its dataset; the spec's functions
+    therefore use the last object built (:attr:`template`): the data is loaded (:meth:`rows`) before any prompt is
+    made."""
+
+    def __init__(self, spelling: str, name: str, path: Path, config: dict):
+        from lm_eval.api.task import TaskConfig
+
+        self.spelling, self.name, self.path, self.config = spelling, name, path, config
+        _compile_templates_once()
+        with _quiet():
+            self.settings = TaskConfig(**config)  # lm-eval's defaults filled in (delimiters, generation settings)
+        problem = _unsupported(self.settings, name)
+        if problem:
+            raise ValueError(problem)
+        self.output_type = self.settings.output_type
+        self.runs_code = bool(self.settings.unsafe_code)
+        self.generation = dict(self.settings.generation_kwargs or {})
+        until = self.generation.get("until") or []
+        self.until = [until] if isinstance(until, str) else list(until)
+        self.fewshot = self.settings.fewshot_config
+        self._built: dict[str, Any] = {}
+        self._last = None
+
+    @property
+    def template(self):
+        if self._last is None:
+            raise RuntimeError(f"{self.spelling}: its prompts come from lm-eval's task object, which is built with its "
+                               "data: load the data first (cel_utils.tasks.splits.load_task_data)")
+        return self._last
+
+    def built_for(self, data_dir):
+        """lm-eval's task object with its dataset from ``data_dir`` (else $CEL_DATA_DIR, else the hub)."""
+        mirror = resolve_data_dir(data_dir)
+        key = str(mirror)
+        if key not in self._built:
+            self._built[key] = _build(self, mirror)
+        self._last = self._built[key]
+        return self._last
+
+    def rows(self, config: str | None, split: str, data_dir) -> tuple[list[dict], dict]:
+        """The processed documents of one split (lm-eval's ``process_docs`` applied), as :func:`load_split` returns."""
+        task = self.built_for(data_dir)
+        where = task.cel_provenance
+        if split == SAMPLES_SPLIT:
+            samples = self.fewshot.samples
+            docs = samples() if callable(samples) else samples
+            provenance = {**where, "split": split, "note": "the task's fixed exemplars (fewshot_config.samples)"}
+        else:
+            if split not in task.dataset:
+                place = f"local mirror {where.get('path')}" if where["source"] == "mirror" else "hub"
+                raise SplitUnavailable(f"{split!r} split of {where['dataset']} is not in the {place}")
+            process = self.fewshot.process_docs if split == self.fewshot.split else self.settings.process_docs
+            with _no_progress_bars():
+                docs = process(task.dataset[split]) if process is not None else task.dataset[split]
+            provenance = {**where, "split": split}
+        rows = [dict(doc) for doc in docs]
+        provenance["rows"] = len(rows)
+        return rows, provenance
+
+
+def _build(declared: Declared, mirror: Path | None):
+    from lm_eval.api.task import ConfigurableTask
+
+    class MirroredTask(ConfigurableTask):
+        """lm-eval's task object, its dataset loaded by :func:`cel_utils.tasks.data.load_declared`. A declared split
+        that the data lacks counts as undeclared (lm-eval would fail on it)."""
+
+        def download(self, dataset_kwargs=None, **kwargs) -> None:
+            self.dataset, self.cel_provenance = load_declared(self.config.dataset_path, self.config.dataset_name,
+                                                              dataset_kwargs, mirror)
+
+        def _present(self, split: str | None) -> bool:
+            return split is not None and split in self.dataset
+
+        def has_training_docs(self) -> bool:
+            return self._present(self.config.training_split)
+
+        def has_validation_docs(self) -> bool:
+            return self._present(self.config.validation_split)
+
+        def has_test_docs(self) -> bool:
+            return self._present(self.config.test_split)
+
+        def fewshot_docs(self):
+            if self.fewshot_cfg.split is not None and not self._present(self.fewshot_cfg.split):
+                return None
+            return super().fewshot_docs()
+
+    evaluation = [s for s in (declared.settings.test_split, declared.settings.validation_split) if s]
+    with _quiet():
+        try:
+            task = MirroredTask(config=dict(declared.config))
+        except (KeyError, TypeError, IndexError, ValueError, AttributeError) as error:  # e.g. no evaluation split
+            raise SplitUnavailable(f"{declared.spelling}: lm-eval cannot build the task from its data "
+                                   f"({type(error).__name__}: {error}); the data must hold one of the evaluation "
+                                   f"splits {evaluation} it declares, with rows") from None
+    if task.multiple_input:
+        raise ValueError(f"{declared.spelling} is a multiple-input task (its doc_to_text gives a choice index: the "
+                         "choices are contexts, as Winogrande's), which CEL's requests do not support yet")
+    return task
+
+
+# --- the spec -------------------------------------------------------------------------------------------------------
+
+def _answer(a: Any, choices: list[str] | None) -> str:
+    """An answer as lm-eval's build_qa_turn writes it: a choice by index, the first of several targets, or the text."""
+    if choices and isinstance(a, int):
+        return choices[a]
+    return str(a[0] if isinstance(a, list) else a)
+
+
+def _gold(declared: Declared, doc: dict) -> int:
+    task = declared.template
+    choices, gold = task.doc_to_choice(doc), task.doc_to_target(doc)
+    if isinstance(gold, str):
+        if gold not in choices:
+            raise ValueError(f"its answer {gold!r} is not one of its choices {choices}")
+        return choices.index(gold)
+    if isinstance(gold, list) or not isinstance(gold, (int, np.integer)):
+        raise ValueError(f"its answer {gold!r} is not one choice index (several right answers are not supported)")
+    return int(gold)
+
+
+def _validate(declared: Declared, doc: dict) -> None:
+    task = declared.template
+    text = task.doc_to_text(doc)
+    if not isinstance(text, str):
+        raise ValueError(f"doc_to_text gave {type(text).__name__} {text!r:.40}, not text")
+    if declared.output_type == "multiple_choice":
+        choices = task.doc_to_choice(doc)
+        if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
+            raise ValueError(f"doc_to_choice gave {choices!r:.80}; a multiple-choice item needs two or more non-empty "
+                             "answers")
+        gold = _gold(declared, doc)
+        if not 0 <= gold < len(choices):
+            raise ValueError(f"its answer index {gold} is out of range for {len(choices)} choices")
+    elif not str(_answer(task.doc_to_target(doc), None)):
+        raise ValueError("doc_to_target gave an empty answer")
+
+
+def _exemplar(declared: Declared, doc: dict) -> str:
+    """A few-shot exemplar as lm-eval writes it, with fewshot_config's own templates and target delimiter."""
+    task, shots = declared.template, declared.fewshot
+    choices = task.doc_to_choice(doc, shots.doc_to_choice) if shots.doc_to_choice else None
+    answer = _answer(task.doc_to_target(doc, shots.doc_to_target), choices)
+    return task.doc_to_text(doc, shots.doc_to_text) + shots.target_delimiter + answer
+
+
+def _target(declared: Declared, doc: dict) -> str:
+    task = declared.template
+    if declared.output_type == "multiple_choice":
+        return task.doc_to_choice(doc)[_gold(declared, doc)]
+    choices = task.doc_to_choice(doc) if declared.settings.doc_to_choice is not None else None
+    return _answer(task.doc_to_target(doc), choices)
+
+
+def _description(declared: Declared, doc: dict) -> str:
+    """The text before the exemplars: lm-eval renders the task's description with the item's fields."""
+    return declared.template.resolve_field(doc, declared.settings.description) or ""
+
+
+def _cut(text: str, until: list[str]) -> str:
+    """lm-eval's cut of a generation at each ``until`` string."""
+    for term in until:
+        if term:
+            text = text.split(term)[0]
+    return text
+
+
+def _decision(metric: str, value: Any) -> bool:
+    if isinstance(value, (bool, np.bool_, int, float, np.number)) and float(value) in (0.0, 1.0):
+        return bool(value)
+    raise ValueError(f"metric {metric} gave {value!r} for one item: CEL decides each item right or wrong, so it needs "
+                     "a metric whose per-item value is 0 or 1 (exact_match, acc, pass@1); corpus metrics (bleu, f1, "
+                     "...) have no per-item decision")
+
+
+def _score_generations(declared: Declared, task: TaskSpec, requests: list, completions: list[str], *,
+                       timeout_s: float = 10.0, memory_mb: int | None = None, workers: int = 2):
+    """lm-eval's decision on each completion: cut at every ``until`` string, its filters, then its process_results; a
+    code task runs the filtered completion with the reference tests (``doc_to_target``) in CEL's sandbox."""
+    from lm_eval.api.instance import Instance
+
+    from cel_utils.tasks.scoring import Outcome
+
+    lm_task = declared.template
+    instances = []
+    for index, (request, completion) in enumerate(zip(requests, completions)):
+        instance = Instance(request_type="generate_until", doc=request.doc, idx=0,
+                            arguments=(request.prompt, dict(declared.generation)), metadata=(declared.name, index, 1))
+        instance.resps = [_cut(completion, declared.until)]
+        instances.append(instance)
+    filters = [ensemble.name for ensemble in lm_task._filters]
+    for ensemble in lm_task._filters:
+        ensemble.apply(instances)
+    first = [instance.filtered_resps[filters[0]] for instance in instances]
+    if declared.runs_code:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from cel_utils.sandbox import run_program
+
+        limits = {"timeout_s": timeout_s} | ({} if memory_mb is None else {"memory_mb": memory_mb})
+
+        def run(pair):
+            instance, program = pair
+            program = program[0] if isinstance(program, list) else program
+            return run_program(str(program), [_target(declared, instance.doc)], **limits)
+
+        with ThreadPoolExecutor(max_workers=workers) as pool:  # threads only wait on sandboxed processes
+            results = list(pool.map(run, zip(instances, first)))
+        metrics = {"pass@1": np.array([r.passed for r in results], dtype=bool)}
+        statuses = [r.status for r in results]
+    else:
+        values: dict[str, list[bool]] = {name: [] for name in task.all_metrics}
+        for instance in instances:
+            for name in filters:
+                scores = lm_task.process_results(instance.doc, [instance.filtered_resps[name]])
+                for metric, value in scores.items():
+                    key = metric if len(filters) == 1 else f"{metric},{name}"
+                    if key in values:
+                        values[key].append(_decision(key, value))
+        missing = [name for name, got in values.items() if len(got) != len(instances)]
+        if missing:
+            raise ValueError(f"{declared.spelling}: lm-eval's process_results gave no value for {missing}; the task "
+                             f"declares {task.all_metrics}")
+        metrics = {name: np.array(got, dtype=bool) for name, got in values.items()}
+        statuses = ["right" if ok else "wrong" for ok in metrics[task.metric]]
+    correct = metrics[task.metric]
+    return Outcome(item_ids=[r.item_id for r in requests], correct=correct, margin=np.where(correct, 1.0, -1.0),
+                   metrics=metrics, predictions=[{"completion": c, "status": s, "filtered": f}
+                                                 for c, s, f in zip(completions, statuses, first)])
+
+
+def _metrics(declared: Declared) -> tuple[str, tuple[str, ...], list[str]]:
+    """(primary metric, all metrics CEL reports, declared metrics it does not reproduce)."""
+    declared_names = _metric_names(declared.settings)
+    if declared.output_type == "multiple_choice":
+        ours = [m for m in CHOICE_METRICS if m in declared_names] or ["acc"]
+        return ours[0], tuple(ours), [m for m in declared_names if m not in ours]
+    if declared.output_type == "loglikelihood":
+        return "acc", ("acc",), [m for m in declared_names if m != "acc"]
+    if declared.runs_code:
+        return "pass@1", ("pass@1",), [m for m in declared_names if m not in ("pass@1", "pass_at_1")]
+    filters = [f["name"] for f in declared.settings.filter_list or []] or ["none"]
+    names = [m if len(filters) == 1 else f"{m},{f}" for f in filters for m in declared_names]
+    return names[0], tuple(names), []
+
+
+def _fewshot_source(declared: Declared) -> tuple[str | None, bool]:
+    """(the split exemplars come from, whether it is its first n): fewshot_config's split or samples, else none."""
+    shots = declared.fewshot
+    first_n = shots.sampler == "first_n"
+    if shots.split is not None:
+        return shots.split, first_n
+    if shots.samples is not None:
+        return SAMPLES_SPLIT, first_n
+    return None, False
+
+
+def _spec(declared: Declared) -> TaskSpec:
+    settings = declared.settings
+    holdout = settings.test_split or settings.validation_split
+    if holdout is None:
+        raise ValueError(f"{declared.spelling} declares no test_split or validation_split to evaluate on")
+    training = settings.training_split if settings.training_split not in (None, holdout) else None
+    metric, metrics, not_reproduced = _metrics(declared)
+    fewshot_split, first_n = _fewshot_source(declared)
+    kind = KINDS[declared.output_type]
+    choice = kind == "choice"
+    stop = (declared.until[0] if declared.until else None) if kind == "generate" else None
+    provenance = {"lm_eval": lmeval_version(), "task": declared.name, "yaml": _shown_path(declared.path),
+                  "config_sha256": config_sha256(declared.config), "output_type": declared.output_type,
+                  "metrics_not_reproduced": not_reproduced}
+    if kind == "generate":
+        from lm_eval.defaults import DEFAULT_MAX_GEN_TOKS
+
+        provenance.update(until=declared.until,
+                          max_gen_toks=declared.generation.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
+    return TaskSpec(
+        name=declared.spelling, kind=kind, metric=metric, metrics=metrics, fields={},
+        source=Source(settings.dataset_path or "", (settings.dataset_path or "").rsplit("/", 1)[-1],
+                      loader=declared.rows),
+        doc_to_text=lambda doc: declared.template.doc_to_text(doc),
+        doc_to_target=partial(_target, declared),
+        doc_to_choices=(lambda doc: list(declared.template.doc_to_choice(doc))) if choice else None,
+        doc_to_gold=partial(_gold, declared) if choice else None,
+        doc_to_exemplar=partial(_exemplar, declared),
+        validate=partial(_validate, declared),
+        # lm-eval puts the delimiter before each choice of a multiple-choice item, but not before a loglikelihood
+        # target (0.4.13's construct_requests); exemplars carry fewshot_config's (doc_to_exemplar)
+        target_delimiter=settings.target_delimiter if choice else "",
+        fewshot_delimiter=declared.fewshot.fewshot_delimiter,
+        moved_whitespace=None,
+        description=partial(_description, declared) if settings.description else "",
+        holdout_split=holdout, discovery_split=training, paper_sizes=DEFAULT_SIZES,
+        fewshot_split=fewshot_split, fewshot_first_n=first_n, default_fewshot=settings.num_fewshot or 0,
+        stop=stop, chat_stop=stop,  # lm-eval's until holds in a chat template too
+        score_generations=partial(_score_generations, declared) if kind == "generate" else None,
+        calibration=("answer" if isinstance(settings.doc_to_choice, list) else "length") if choice else None,
+        declaration=provenance,
+    )
+
+
+_RESOLVED: dict[str, tuple[str, Declared, TaskSpec]] = {}  # spelling -> (its raw declaration, resolved, its spec)
+
+
+def lmeval_task(spelling: str) -> TaskSpec:
+    """The :class:`TaskSpec` of ``lmeval:<name>`` (lm-eval's registry, and folders in $CEL_LMEVAL_INCLUDE) or
+    ``lmeval:<file>.yaml``. Built once per process and declaration: a task file edited since is read again."""
+    if not is_lmeval(spelling):
+        raise ValueError(f"{spelling!r} is not an lm-eval task: spell it lmeval:<name> or lmeval:<file>.yaml")
+    target = spelling.removeprefix(PREFIX).strip()
+    if not target:
+        raise ValueError("lmeval: needs a task: lmeval:<name> (`cel list --lmeval <part of a name>`) or "
+                         "lmeval:<file>.yaml")
+    name, path = _locate(target)
+    parsed = _parse(path)
+    raw = json.dumps(parsed, sort_keys=True, default=str)
+    known = _RESOLVED.get(spelling)
+    if known is None or known[0] != raw:
+        with _quiet(), _no_code_eval(bool(parsed.get("unsafe_code"))):
+            try:
+                config = _read_yaml(path, resolve=True)
+            except (ImportError, AttributeError, ValueError) as error:  # a !function that cannot be imported
+                raise ValueError(f"{spelling}: cannot load the functions its YAML {path} names ({error}); fix the "
+                                 "!function references or the module they point to") from None
+        for key in ("tag", "group", "task_list"):
+            config.pop(key, None)
+        config["task"] = name
+        declared = Declared(spelling, name, path, config)
+        _RESOLVED[spelling] = (raw, declared, _spec(declared))
+    return _RESOLVED[spelling][2]
+
+
+def task_object(spelling: str, data_dir: str | os.PathLike | None = None):
+    """lm-eval's own task object of ``lmeval:...``, its dataset loaded as CEL loads it (from ``data_dir``, else
+    $CEL_DATA_DIR, else the hub): for lm-eval's evaluator (``simple_evaluate(tasks=[...])``) over the same data."""
+    lmeval_task(spelling)
+    return _RESOLVED[spelling][1].built_for(data_dir)
