@@ -169,7 +169,7 @@ def family_sentence(table: pd.DataFrame) -> str:
             f"p ≤ {ALPHA:g}; if no ablation changed anything, {ALPHA * m:.1f} would be on average by chance. After "
             f"Holm's adjustment for the {m} tests, {adjusted} {'is' if adjusted == 1 else 'are'}. The intervals quoted "
             f"here are Bonferroni's (each at {100 * (1 - ALPHA / m):.2f}%, so that all {m} hold together at 95%); "
-            f"[the method](method.md#many-tests-one-family) says why. In {floor} of the {m} runs the full model is "
+            f"{ref}`the method <many-tests-one-family>` says why. In {floor} of the {m} runs the full model is "
             "not above its floor, the best trivial answer on the same items, and the verdict says so first.")
 
 
