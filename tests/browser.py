@@ -69,9 +69,10 @@ PROBE = """() => ({
     return nodes;
   })(),
 })"""
-# Where the first heat map's best scored cell is on screen (a screened stage 1 leaves the others empty: null or NaN).
+# Where the first heat map's best scored cell is on screen (other figures, as the results page's overview, skipped) (a screened stage 1 leaves the others empty: null or NaN).
 BEST_CELL = """() => {
-  const div = document.querySelector('.plotly-graph-div');
+  const div = Array.from(document.querySelectorAll('.plotly-graph-div'))
+    .find(d => d._fullData && d._fullData[0].type === 'heatmap');  // the page's first heat map
   div.scrollIntoView({block: 'center'});
   const z = div._fullData[0].z;  // decoded (plotly may ship the data base64-encoded)
   let best = null;
@@ -82,7 +83,8 @@ BEST_CELL = """() => {
 }"""
 # A cell of the first heat map on screen, by (layer, head) (its y and x); scrolled into view first.
 CELL = """([layer, head]) => {
-  const div = document.querySelector('.plotly-graph-div');
+  const div = Array.from(document.querySelectorAll('.plotly-graph-div'))
+    .find(d => d._fullData && d._fullData[0].type === 'heatmap');  // the page's first heat map
   div.scrollIntoView({block: 'center'});
   const layout = div._fullLayout, xa = layout.xaxis, ya = layout.yaxis, rect = div.getBoundingClientRect();
   return {x: rect.left + xa._offset + xa.l2p(head), y: rect.top + ya._offset + ya.l2p(layer)};

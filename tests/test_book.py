@@ -81,7 +81,9 @@ def test_book_builds_with_warnings_as_errors(built):
     assert f'href="runs/{RUN}.html"' in results
     run_page = (built / "book" / "runs" / f"{RUN}.html").read_text()
     assert f"<title>CEL run: random-llama-tiny on arithmetic_2da (seed {BOOK_SEED})" in run_page
-    assert results.count('class="plotly-graph-div"') == 1 and "Beyond the task: the transfer matrix" in results
+    # every run at once, and the transfer matrix's heat map
+    assert results.count('class="plotly-graph-div"') == 2 and "Beyond the task: the transfer matrix" in results
+    assert "Key result" in run_page and "Holm p" in run_page  # the box build puts on top, with the run's family
     assert 'href="results.html#transfer-matrix"' in (built / "book" / "theory.html").read_text()
     sidebar = (built / "book" / "intro.html").read_text()
     assert f"random-llama-tiny on arithmetic_2da (seed {BOOK_SEED})" in sidebar  # found by the toc's glob, titled by the page
@@ -331,10 +333,11 @@ def test_offline_pages_render_math_and_figures_without_errors(browser, built):  
             assert re.search(r"L\d+\.H\d+discovery gain [+-]\d+\.\d\d pointsharm \d+, help \d+", hover), hover
         if name == "results":
             assert "70.40 -> 83.50 (+13.10), 44.26%" in text_of((built / page).read_text())
-            assert report.probe["figures"] == 1 and report.probe["figures_drawn"] >= 1  # the transfer heat map
+            # every run at once, then the transfer heat map
+            assert report.probe["figures"] == 2 and report.probe["figures_drawn"] >= 2
             hover = report.extra["hover"]  # its best cell: the interval, the p-value and the counts
             assert re.search(r"set from \w+ \(L\d+\.H\d+.*\) on \w+.*95% CI \[[+-]\d+\.\d, [+-]\d+\.\d\], McNemar "
-                             r"p [=<] [\d.]+helped \d+, harmed \d+ of \d+", hover), hover
+                             r"p [=<] [\d.]+ alone.*helped \d+, harmed \d+ of \d+", hover), hover
     assert not broken, broken
     print("\noffline browser check (headless Chromium, no network):\n" + "\n".join(lines))
 
@@ -444,3 +447,40 @@ def test_the_published_run_page_lists_a_heads_flips_on_a_click(browser, built):
     artifact = read_artifact(built.parent.parent / "results" / f"{RUN}.json")
     for name, shown in click_through(browser, (built / PAGES["run"]).as_uri(), artifact).items():
         assert shown == expected_flips(artifact, name), name
+
+
+# The overview figure's marker of one run: where it is on screen, and the address its click opens.
+RUN_MARKER = """(label) => {
+  const div = document.querySelector('[data-figure="cel-all-runs"]');
+  div.scrollIntoView({block: 'center'});
+  const index = div._fullData.findIndex(t => t.name && t.name.startsWith('holdout gain'));
+  const trace = div._fullData[index];
+  const i = Array.from(trace.y).indexOf(label);
+  const xa = div._fullLayout.xaxis, ya = div._fullLayout.yaxis, rect = div.getBoundingClientRect();
+  return {x: rect.left + xa._offset + xa.l2p(trace.x[i]), y: rect.top + ya._offset + ya.l2p(ya.d2l(label)),
+          gain: trace.x[i], url: trace.customdata[i][0], labels: Array.from(trace.y)};
+}"""
+
+
+@pytest.mark.browser
+def test_every_run_at_once_shows_each_runs_numbers_and_opens_its_page(browser, built):
+    """The results page's overview figure, offline: one row per artifact, the hover gives the run's numbers as the
+    artifact has them, and a click on the run with a page opens that page."""
+    from cel_utils.book.results_page import summarize
+    from cel_utils.pipeline.artifacts import load_artifacts
+
+    table = summarize(load_artifacts(built.parent.parent / "results"))
+    row = next(r for r in table.itertuples() if r.stem == RUN)
+    label = f"{row.model} · {row.task}" + (" (at floor)" if row.at_floor else "")
+    with opened(browser, (built / PAGES["results"]).as_uri()) as page:
+        marker = page.evaluate(RUN_MARKER, label)
+        assert sorted(marker["labels"]) == sorted(f"{r.model} · {r.task}" + (" (at floor)" if r.at_floor else "")
+                                                  for r in table.itertuples())
+        assert marker["gain"] == pytest.approx(row.gain_points)
+        page.mouse.move(marker["x"], marker["y"])
+        page.locator(".hoverlayer .hovertext").first.wait_for(state="attached")
+        hover = " | ".join(page.locator(".hoverlayer .hovertext").all_text_contents())
+        assert f"full -> ablated {row.holdout}" in hover and f"verdict: {row.word}" in hover, hover
+        assert marker["url"] == f"runs/{RUN}.html"
+        page.mouse.click(marker["x"], marker["y"])
+        page.wait_for_url(f"**/runs/{RUN}.html")

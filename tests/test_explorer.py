@@ -137,6 +137,10 @@ def test_scoring_n_items_equals_a_direct_evaluation_and_the_run_pages_test(hella
     assert f"{test.help} / {test.harm} of 10" in html and f"[{test.ci_low:+.2f}, {test.ci_high:+.2f}]" in html
     np.testing.assert_array_equal(explorer.last_score.ablated.correct, ablated.correct)
     assert explorer.bar.value == explorer.bar.max and len(seen) >= 2  # the bar moved step by step
+    golds = [int(item.doc["label"]) for item in session.data.holdout[:10]]  # HellaSwag: the floors of these 10 items
+    assert "floor: chance</td><td>25.0%" in html
+    assert f"floor: always choosing ending {max(range(4), key=golds.count)}</td><td>" \
+           f"{10 * max(map(golds.count, range(4))):.1f}%" in html
 
 
 def test_a_runs_sets_load_from_its_artifact(hellaswag, tmp_path):

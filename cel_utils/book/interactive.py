@@ -26,9 +26,11 @@ class OfflineFigure:
     renderer. (Plotly's JSON mime type is left out: myst-nb would warn about it, and warnings fail the build.)"""
 
     figure: object  # plotly.graph_objects.Figure
+    post_script: str | None = None  # JavaScript run once the figure is drawn ({plot_id}: its div's id)
 
     def to_html(self) -> str:
-        return self.figure.to_html(include_plotlyjs=False, include_mathjax=False, full_html=False, config=PLOTLY_CONFIG)
+        return self.figure.to_html(include_plotlyjs=False, include_mathjax=False, full_html=False, config=PLOTLY_CONFIG,
+                                   post_script=self.post_script)
 
     def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
         return {"text/html": self.to_html(), "text/plain": repr(self)}

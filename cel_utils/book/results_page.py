@@ -14,8 +14,9 @@ from cel_utils.book.claims import first_looks, primary_family, run_key, second_l
 from cel_utils.book.run_page import (answer_profile, floor_rows, margin_text, power_of, run_stem, significance,
                                      tied_at_top, verdict_of, verdict_word)
 from cel_utils.book.paper_comparison import PAPER_COMPUTED_MARK, PAPER_MODELS, hour_note, paper_cell, paper_rer, side_by_side
+from cel_utils.book.overview_figure import floors_note, overview_figure
 from cel_utils.book.strategies_page import strategies_section
-from cel_utils.book.transfer_page import transfer_section
+from cel_utils.book.transfer_page import raw_html, transfer_section
 from cel_utils.book.text import ci_text, md_table, ordinal, p_is, p_text, pct, provenance_text, rer_text, transition_text
 from cel_utils.config import BOOK_SEED, TASK_FAMILIES, task_family, task_sort_key
 from cel_utils.paths import atomic_write
@@ -169,7 +170,7 @@ def family_sentence(table: pd.DataFrame) -> str:
             f"p ≤ {ALPHA:g}; if no ablation changed anything, {ALPHA * m:.1f} would be on average by chance. After "
             f"Holm's adjustment for the {m} tests, {adjusted} {'is' if adjusted == 1 else 'are'}. The intervals quoted "
             f"here are Bonferroni's (each at {100 * (1 - ALPHA / m):.2f}%, so that all {m} hold together at 95%); "
-            f"{ref}`the method <many-tests-one-family>` says why. In {floor} of the {m} runs the full model is "
+            f"{{ref}}`the method <many-tests-one-family>` says why. In {floor} of the {m} runs the full model is "
             "not above its floor, the best trivial answer on the same items, and the verdict says so first.")
 
 
@@ -193,6 +194,16 @@ def results_markdown(artifacts: list[dict], paper_rows: list[dict], runs_dir: Pa
                      p_text(r.family["p_adjusted"]) if r.family else "n/a", f"**{r.word}**", r.control_text]
                     for r in table.itertuples()]
         adjusted_level = f"{100 * (1 - ALPHA / max(1, len(table))):.2f}%"
+        by_stem = {run_stem(a): a for a in artifacts}
+        figure = overview_figure(table, by_stem, paper_rows, link_prefix.replace(".ipynb", ""))
+        out += ["## Every run at once", "",
+                "Each row is one run: the dot is its holdout gain with the interval adjusted for all the runs (thick) "
+                "and the interval of the run alone (thin); the open diamond is the same set's gain on the discovery "
+                "items it was chosen on (the gap is the winner's curse); the grey band is the range of random head sets "
+                "of the same size on the same holdout; the square is the same heads mean-ablated, the cross the "
+                "calibration baseline (multiple choice). The paper's gains are on an axis of their own: other models "
+                "and sizes. Hover for the numbers, click a run for its page.", "",
+                *raw_html(figure.to_html()), floors_note(table), ""]
         out += ["## Verdicts", "",
                 f"One row per run: the holdout result, the floor (the best trivial answer on the same items: chance or "
                 f"always giving one answer), the gain's interval adjusted for the {len(table)} runs ({adjusted_level} "
@@ -221,7 +232,7 @@ def results_markdown(artifacts: list[dict], paper_rows: list[dict], runs_dir: Pa
                 "heads' removal alone explains.", "",
                 md_table(["run", "heads", "zero-ablated: full -> ablated (gain)",
                           "mean-ablated (gain); mean - zero, paired p"], controls), "",
-                *control_sentences(table), ""]
+                *control_sentences(table, artifacts), ""]
         detail = [[r.task, f"{r.model}, seed {r.seed}", r.rel_error_reduction, f"`{r.heads}`",
                    f"{r.n_discovery} / {r.n_holdout}, p={r.p}, k={r.k}", r.stage1, r.data]
                   for r in table.itertuples()]
@@ -251,15 +262,32 @@ def results_markdown(artifacts: list[dict], paper_rows: list[dict], runs_dir: Pa
     return "\n".join(out).rstrip() + "\n"
 
 
-def control_sentences(table: pd.DataFrame) -> list[str]:
-    """What the control shows across the runs, from the numbers."""
+def control_sentences(table: pd.DataFrame, artifacts: list[dict]) -> list[str]:
+    """What the control shows across the runs, from the numbers: how far mean-ablation moves the full model against
+    zero-ablation, and in how many runs the two differ significantly (alone, and after Holm over the runs)."""
+    from cel_utils.stats.multiplicity import holm
+
+    by_stem = {run_stem(a): a for a in artifacts}
     rows = [r for r in table.itertuples() if r.control_gain is not None]
     if not rows:
         return ["No run of this book stores a control (artifacts written before it existed)."]
-    return [f"Across the {len(rows)} runs the mean-ablated set changes the full model's accuracy by "
+    versus = [by_stem[r.stem]["control"]["vs_search"] for r in rows]
+    adjusted = holm([v["p_value"] for v in versus])
+    differ = [f"{r.model} on {r.task} ({v['gain_points']:+.1f} points, p = {v['p_value']:.2g}, Holm p = {q:.2g})"
+              for r, v, q in zip(rows, versus, adjusted) if v["p_value"] <= ALPHA]
+    same_sign = sum((r.control_gain > 0) == (r.gain_points > 0) for r in rows if r.gain_points != 0 and r.control_gain)
+    text = (f"Across the {len(rows)} runs the mean-ablated set moves the full model's accuracy by "
             f"{min(r.control_gain for r in rows):+.1f} to {max(r.control_gain for r in rows):+.1f} points, against "
             f"{min(r.gain_points for r in rows):+.1f} to {max(r.gain_points for r in rows):+.1f} for zero-ablation; "
-            "each run's page gives the paired test of the two."]
+            f"the two move it the same way in {same_sign} of the {sum(r.gain_points != 0 and r.control_gain != 0 for r in rows)} "
+            "runs where both move it.")
+    if differ:
+        text += (f" The two ablations differ significantly alone in {len(differ)}: " + "; ".join(differ) + ". "
+                 + ("After Holm's adjustment over the runs none does." if min(adjusted) > ALPHA else
+                    f"After Holm's adjustment {sum(q <= ALPHA for q in adjusted)} still do{'es' if sum(q <= ALPHA for q in adjusted) == 1 else ''}."))
+    else:
+        text += " In no run do the two ablations differ significantly on the same items."
+    return [text]
 
 
 def _forking_paths_note(seeds: set[int], table: pd.DataFrame | None = None) -> list[str]:

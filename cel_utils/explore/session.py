@@ -62,6 +62,7 @@ class Score:
     full: Outcome
     ablated: Outcome
     test: PairedTest
+    floors: dict | None = None  # chance and the best constant answer on the same items (cel_utils.tasks.floors)
 
     @property
     def n(self) -> int:
@@ -219,7 +220,8 @@ class ExploreSession:
         heads = head_set(heads)
         full, ablated = self.evaluator(items[:n], progress).evaluate([(), heads], desc=f"full and {format_heads(heads)}")
         test = paired_test(full.correct, ablated.correct, seed=[self.config.seed, CI_STREAM])
-        return Score(split=split, heads=heads, full=full, ablated=ablated, test=test)
+        floors = kind_of(self.task).floors(self.task, items[:n])
+        return Score(split=split, heads=heads, full=full, ablated=ablated, test=test, floors=floors)
 
 
 def option_scores(outcome: Outcome) -> np.ndarray | None:
