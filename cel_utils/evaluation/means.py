@@ -26,6 +26,7 @@ from cel_utils.models.plumbing import attention_output_projections, base_model
 from cel_utils.paths import atomic_write, cache_dir
 
 MEANS_VERSION = "1"  # bump when what the means are, or how they are computed, changes
+MEANS_BATCH_ROWS = 8  # fixed, not the run's batch_size: a float's last bits depend on the batch it was summed in
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,8 @@ class HeadMeans:
 
 
 @torch.no_grad()
-def compute_means(lm: LoadedModel, contexts: Sequence[Sequence[int]], batch_size: int = 8) -> HeadMeans:
+def compute_means(lm: LoadedModel, contexts: Sequence[Sequence[int]],
+                  batch_size: int = MEANS_BATCH_ROWS) -> HeadMeans:
     """One clean forward over ``contexts`` (token ids), summing every layer's o_proj input over the real tokens.
 
     Rows are right-padded with no attention mask: under causal attention no real token sees a pad, so each real
@@ -97,8 +99,7 @@ def means_key(lm: LoadedModel, contexts: Sequence[Sequence[int]]) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def discovery_means(lm: LoadedModel, contexts: Sequence[Sequence[int]], batch_size: int = 8,
-                    cache: bool = True) -> HeadMeans:
+def discovery_means(lm: LoadedModel, contexts: Sequence[Sequence[int]], cache: bool = True) -> HeadMeans:
     """:func:`compute_means` read from the cache when computed before (``cache``: keep and reuse them)."""
     path = cache_dir() / "means" / f"{means_key(lm, contexts)}.pt"
     if cache and path.is_file():
@@ -107,7 +108,7 @@ def discovery_means(lm: LoadedModel, contexts: Sequence[Sequence[int]], batch_si
             return HeadMeans(stored["values"], int(stored["n_items"]), int(stored["n_tokens"]))
         except Exception:  # noqa: BLE001 - a damaged cache entry is recomputed
             pass
-    means = compute_means(lm, contexts, batch_size)
+    means = compute_means(lm, contexts)
     if cache:
         buffer = io.BytesIO()
         torch.save({"values": means.values, "n_items": means.n_items, "n_tokens": means.n_tokens}, buffer)

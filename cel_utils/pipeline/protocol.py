@@ -125,7 +125,7 @@ def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool | s
     # control's otherwise); the prompts are tokenized as the discovery evaluator will read them.
     discovery_prompts = kind_of(data.task).build_requests(data.task, data.discovery, data.fewshot, lm.tokenizer,
                                                           config.fmt, resolve_bos(lm.tokenizer, config.bos))
-    means = discovery_means(lm, [r.context for r in discovery_prompts], config.batch_size, cache=config.cache)
+    means = discovery_means(lm, [r.context for r in discovery_prompts], cache=config.cache)
     timings["means_s"] = time.perf_counter() - start
     search_means = means if config.ablation == "mean" else None
     start = time.perf_counter()

@@ -130,10 +130,21 @@ def paired_test(full_correct, ablated_correct, *, confidence: float = CONFIDENCE
                       interval=interval)
 
 
+MEAN_CHANGE_DIGITS = 4  # significant digits; float32 rounding moves a margin in about the 7th
+
+
+def _kept(value: float) -> float:
+    return float(f"{value:.{MEAN_CHANGE_DIGITS}g}")
+
+
 def paired_mean_change(before, after, *, confidence: float = CONFIDENCE, n_resamples: int = N_BOOTSTRAP,
                        seed=0) -> dict:
     """The mean per-item change ``after - before`` of a continuous score (the gold answer's margin) with its paired
-    bootstrap percentile interval; items whose score is not finite on either side are left out (and counted)."""
+    bootstrap percentile interval; items whose score is not finite on either side are left out (and counted).
+
+    The mean and the interval are kept to :data:`MEAN_CHANGE_DIGITS` significant digits: the margins are float32
+    logits, whose last bits move with the batch a row was scored in (a setting that changes no decision), and the
+    artifact must be the same bytes whatever the batch size."""
     before, after = np.asarray(before, dtype=float), np.asarray(after, dtype=float)
     if before.shape != after.shape:
         raise ValueError(f"paired vectors differ in length: {before.shape} vs {after.shape}")
@@ -149,8 +160,8 @@ def paired_mean_change(before, after, *, confidence: float = CONFIDENCE, n_resam
             result = stats.bootstrap((diff,), np.mean, n_resamples=n_resamples, confidence_level=confidence,
                                      method="percentile", vectorized=True, rng=np.random.default_rng(seed))
             low, high = float(result.confidence_interval.low), float(result.confidence_interval.high)
-    return {"n_items": int(keep.sum()), "n_left_out": int((~keep).sum()), "mean_change": mean, "ci_low": low,
-            "ci_high": high, "confidence": confidence, "share_up": float((diff > 0).mean()) if diff.size else float("nan"),
+    return {"n_items": int(keep.sum()), "n_left_out": int((~keep).sum()), "mean_change": _kept(mean),
+            "ci_low": _kept(low), "ci_high": _kept(high), "confidence": confidence, "share_up": float((diff > 0).mean()) if diff.size else float("nan"),
             "interval": BOOTSTRAP_INTERVAL}
 
 
