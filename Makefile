@@ -77,4 +77,4 @@ benchmark: $(VENV)/.installed
 	$(PY) benchmarks/bench_engine.py
 
 clean:
-	rm -rf _build book/runs book/theory book/results.md results
+	rm -rf _build book/runs book/theory book/results.md book/all_runs.html results

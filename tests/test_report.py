@@ -89,11 +89,15 @@ def test_results_page_links_runs_that_have_a_page(tmp_path):
     verdicts = text[text.index("## Verdicts"):]
     assert verdicts.index("arithmetic_2da (seed 0)") < verdicts.index("boolq (seed 0)")  # tasks in the paper's order
     assert "70.40 -> 83.50 (+13.10), 44.26%" in text
+    intro = (page.parent / results_page.INTRO_FIGURE).read_text()  # the intro's small copy: both runs, one link
+    assert intro.count('class="plotly-graph-div"') == 1 and "boolq (seed" not in intro and "tiny-model \\u00b7 boolq" in intro
+    assert "runs\\u002ftiny-model__arithmetic_2da__seed0.html" in intro and "tiny-model__boolq__seed0.html" not in intro
 
 
 def test_results_page_without_runs(tmp_path):
     page = results_page.write_results_page(tmp_path / "missing", tmp_path / "results.md")
     assert "No runs yet" in page.read_text()
+    assert "No runs yet" in (tmp_path / results_page.INTRO_FIGURE).read_text()  # the intro still has its file
 
 
 PAPER_README = REPO.parent / "shared" / "paper" / "README.md"
