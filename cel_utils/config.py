@@ -168,7 +168,7 @@ class RunConfig:
         from cel_utils.paths import check_writable
         from cel_utils.search.algorithm import check_search_params
         from cel_utils.tasks.data import resolve_data_dir
-        from cel_utils.tasks.specs import get_task
+        from cel_utils.tasks.catalog import get_task
 
         check_model_spec(self.model)
         get_task(self.task)

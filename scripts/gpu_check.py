@@ -98,7 +98,8 @@ from cel_utils.models.heads import HeadId  # noqa: E402
 from cel_utils.models.loading import LoadedModel, resolve_device  # noqa: E402
 from cel_utils.models.plumbing import attention_output_projections, head_geometry  # noqa: E402
 from cel_utils.tasks.scoring import Outcome, at_least_float32  # noqa: E402
-from cel_utils.tasks.specs import Item, TaskSpec, get_task, validate_item  # noqa: E402
+from cel_utils.tasks.catalog import get_task  # noqa: E402
+from cel_utils.tasks.specs import Item, TaskSpec, validate_item  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "gpu_check_data"
 MODELS = json.loads((DATA / "models.json").read_text())["models"]

@@ -14,7 +14,8 @@ from cel_utils.config import RunConfig
 from cel_utils.models.heads import HeadId, parse_head
 from cel_utils.pipeline.protocol import run_cel
 from cel_utils.search.algorithm import run_search
-from cel_utils.tasks.specs import Item, get_task
+from cel_utils.tasks.catalog import get_task
+from cel_utils.tasks.specs import Item
 from cel_utils.tasks.splits import check_disjoint, load_task_data
 
 REPO = Path(__file__).resolve().parents[1]

@@ -22,7 +22,8 @@ import torch
 from cel_utils.tasks.data import load_split
 from cel_utils.tasks.lmeval import SAMPLES_SPLIT, lmeval_task, task_object
 from cel_utils.tasks.prompts import _encode, build_gen_requests, build_requests
-from cel_utils.tasks.specs import ARITHMETIC_SOURCE, Item, get_task
+from cel_utils.tasks.catalog import get_task
+from cel_utils.tasks.specs import ARITHMETIC_SOURCE, Item
 
 FIXTURES = Path(__file__).parent / "fixtures" / "lmeval"
 ANSWER_YAML = FIXTURES / "arithmetic_answer.yaml"  # generate_until with a regex filter and exact_match

@@ -253,7 +253,7 @@ def _flip_table(predictions_full, predictions_ablated, docs, task):
 
 
 def test_flip_examples_show_choices_and_code():
-    from cel_utils.tasks.specs import get_task
+    from cel_utils.tasks.catalog import get_task
 
     boolq = get_task("boolq")
     docs = [{"question": "is it", "passage": "P", "answer": True}, {"question": "is it not", "passage": "Q", "answer": False}]

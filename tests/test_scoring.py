@@ -5,7 +5,7 @@ import pytest
 from cel_utils.evaluation.kinds import kind_of
 from cel_utils.tasks.prompts import Request
 from cel_utils.tasks.scoring import ContinuationStats, relative_error_reduction
-from cel_utils.tasks.specs import get_task
+from cel_utils.tasks.catalog import get_task
 
 
 def decide(task, requests, stats):

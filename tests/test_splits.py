@@ -4,7 +4,8 @@ import re
 import pytest
 
 from cel_utils.tasks.arithmetic_gen import ARITHMETIC_CONFIGS, generate_arithmetic
-from cel_utils.tasks.specs import Item, get_task
+from cel_utils.tasks.catalog import get_task
+from cel_utils.tasks.specs import Item
 from cel_utils.tasks.splits import FEWSHOT_RESERVE, check_disjoint, content_key, load_task_data
 
 

@@ -2,7 +2,8 @@
 import pytest
 
 from cel_utils.tasks.prompts import build_gen_requests, build_requests, encode_pair, render_context
-from cel_utils.tasks.specs import Item, get_task, hellaswag_clean, validate_item
+from cel_utils.tasks.catalog import get_task
+from cel_utils.tasks.specs import Item, hellaswag_clean, validate_item
 
 BOOLQ = {"question": "is the sky blue", "passage": "The sky is blue.", "answer": True}
 HELLASWAG = {"ind": 4, "activity_label": "Removing ice from car", "ctx_a": "Then, the man writes over the snow.",

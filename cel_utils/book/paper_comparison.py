@@ -160,7 +160,7 @@ def _stage1(config: dict) -> str:
 def hour_note(artifacts: list[dict], transfers: list[dict]) -> list[str]:
     """What the CPU runs left out, per task, against what ``--preset paper`` (a GPU) runs: generated from the
     artifacts' configurations and the paper preset's."""
-    from cel_utils.tasks.specs import get_task
+    from cel_utils.tasks.catalog import get_task
 
     rows = []
     for art in sorted(artifacts, key=lambda a: (a["model"]["name"], a["task"]["name"], a["config"]["seed"])):

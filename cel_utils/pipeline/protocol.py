@@ -28,7 +28,7 @@ from cel_utils.search.screening import run_screen
 from cel_utils.stats.calibration import calibration_baseline
 from cel_utils.stats.reliability import assess_run, null_item_indices
 from cel_utils.tasks.prompts import resolve_bos
-from cel_utils.tasks.specs import get_task
+from cel_utils.tasks.catalog import get_task
 from cel_utils.tasks.splits import TaskData, load_task_data
 
 

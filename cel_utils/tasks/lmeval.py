@@ -3,7 +3,7 @@ your own.
 
 :func:`lmeval_task` turns one lm-eval task declaration into a :class:`~cel_utils.tasks.specs.TaskSpec`, so that every
 place that names a task (``RunConfig(task=...)``, ``cel run``/``grid``, papermill, the explorer) takes it through
-:func:`cel_utils.tasks.specs.get_task`. The text of every prompt, answer and exemplar is lm-eval's own (its Jinja
+:func:`cel_utils.tasks.catalog.get_task`. The text of every prompt, answer and exemplar is lm-eval's own (its Jinja
 templates, ``process_docs`` and delimiters, called on its own task object); CEL does the rest as for its built-in tasks:
 
 =====================  ===========  ==============================================================================

@@ -185,19 +185,6 @@ TASKS: dict[str, TaskSpec] = {
 }
 
 
-def get_task(name: str) -> TaskSpec:
-    """A built-in task by name, or an lm-evaluation-harness task spelled ``lmeval:<name>`` or ``lmeval:<file>.yaml``
-    (:mod:`cel_utils.tasks.lmeval`)."""
-    if isinstance(name, str) and name.startswith("lmeval:"):
-        from cel_utils.tasks.lmeval import lmeval_task
-
-        return lmeval_task(name)
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}: choose from {', '.join(TASKS)}, or an lm-evaluation-harness task as "
-                         "lmeval:<name> or lmeval:<file>.yaml (`cel list --lmeval <part of a name>` lists them)")
-    return TASKS[name]
-
-
 def validate_item(task: TaskSpec, item: Item, where: str = "the data") -> None:
     """Raise a ValueError naming the row, the problem and the fix when a row does not fit the task."""
     fix = f"fix or remove that row in {where}"

@@ -28,7 +28,8 @@ import numpy as np
 from cel_utils.checks import check_int
 from cel_utils.tasks.arithmetic_gen import generate_arithmetic
 from cel_utils.tasks.data import SplitUnavailable, load_split
-from cel_utils.tasks.specs import Item, TaskSpec, get_task, validate_item
+from cel_utils.tasks.catalog import get_task
+from cel_utils.tasks.specs import Item, TaskSpec, validate_item
 
 FEWSHOT_RESERVE = 50  # validation items kept back for exemplars when discovery falls back to validation
 
