@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import yaml
 
-from cel_utils.book import results_page, run_page, strategies_page, text
+from cel_utils.book import paper_comparison, results_page, run_page, strategies_page, text
 from cel_utils.book.build import BookPaths, toc_dict
 from cel_utils.book.titles import run_title
 from cel_utils.pipeline.artifacts import SCHEMA_VERSION, load_artifacts, write_json
@@ -54,9 +54,7 @@ def test_cell_text_from_a_hand_made_artifact(tmp_path):
     table = results_page.summarize(load_artifacts(tmp_path))
     assert len(table) == 1
     assert table.holdout[0] == "50.0 -> 75.0 (+25.0)"
-    assert table.rel_error_reduction[0] == "50.0%"  # 25 / (100 - 50)
     assert table.heads[0] == "L0.H0+L1.H2"
-    assert table.data[0] == "mirror"
 
 
 def test_numbers_as_text():
@@ -85,7 +83,6 @@ def test_results_page_links_runs_that_have_a_page(tmp_path):
     text = page.read_text()
     assert "| [tiny-model, arithmetic_2da (seed 0)](runs/tiny-model__arithmetic_2da__seed0.ipynb) | 50.0 -> 75.0 (+25.0) |" in text
     assert "| tiny-model, boolq (seed 0) | 60.0 -> 55.0 (-5.0) |" in text  # no page: no link
-    assert "mirror (no train split: discovery drawn from validation)" in text
     verdicts = text[text.index("## Verdicts"):]
     assert verdicts.index("arithmetic_2da (seed 0)") < verdicts.index("boolq (seed 0)")  # tasks in the paper's order
     assert "70.40 -> 83.50 (+13.10), 44.26%" in text
@@ -110,7 +107,7 @@ def _paper_rows() -> list[dict]:
 
 def test_paper_table_has_all_twelve_cells_consistent_with_their_printed_figures():
     rows = _paper_rows()
-    assert {(r["model"], r["task"]) for r in rows} == {(m, t) for m in results_page.PAPER_MODELS
+    assert {(r["model"], r["task"]) for r in rows} == {(m, t) for m in paper_comparison.PAPER_MODELS
                                                        for t in results_page.TASK_ORDER}
     assert len(rows) == 12
     for r in rows:
@@ -119,15 +116,15 @@ def test_paper_table_has_all_twelve_cells_consistent_with_their_printed_figures(
     # The two printed relative error reductions are the column's extremes and the formula reproduces them.
     printed = {(r["model"], r["task"]): float(r["relative_error_reduction"]) for r in rows if r["relative_error_reduction"]}
     assert printed == {("SmolLM3-3B", "arithmetic"): 44.26, ("SmolLM3-3B", "mbpp"): 3.23}
-    rers = {(r["model"], r["task"]): results_page.paper_rer(r) for r in rows}
+    rers = {(r["model"], r["task"]): paper_comparison.paper_rer(r) for r in rows}
     for cell, value in printed.items():
         assert rers[cell] == (value, False)
     computed = [value for value, was_computed in rers.values() if was_computed]
     assert len(computed) == 10 and all(3.23 <= value <= 44.26 for value in computed)
     by_cell = {(r["model"], r["task"]): r for r in rows}
-    assert results_page.paper_cell(by_cell[("SmolLM3-3B", "arithmetic")]) == "70.40 -> 83.50 (+13.10), 44.26%"
+    assert paper_comparison.paper_cell(by_cell[("SmolLM3-3B", "arithmetic")]) == "70.40 -> 83.50 (+13.10), 44.26%"
     # printed gain 1.29 although 77.05 - 75.75 = 1.30; relative error reduction computed and marked
-    assert results_page.paper_cell(by_cell[("SmolLM3-3B", "hellaswag")]) == "75.75 -> 77.05 (+1.29), 5.32%\\*"
+    assert paper_comparison.paper_cell(by_cell[("SmolLM3-3B", "hellaswag")]) == "75.75 -> 77.05 (+1.29), 5.32%\\*"
 
 
 def _readme_table1() -> dict:
@@ -155,7 +152,7 @@ def test_paper_table_transcription_matches_the_papers_table():
         full, ablated, gain, printed_rer, any_rer = table[(row["model"], row["task"])]
         assert (float(row["full_accuracy"]), float(row["ablated_accuracy"]), float(row["gain_points"])) == (full, ablated, gain)
         assert (float(row["relative_error_reduction"]) if row["relative_error_reduction"] else None) == printed_rer
-        rer, computed = results_page.paper_rer(row)
+        rer, computed = paper_comparison.paper_rer(row)
         assert computed == (printed_rer is None) and round(rer, 2) == any_rer  # what the page shows, computed or printed
 
 
@@ -189,7 +186,6 @@ def test_selection_note_flags_ties_and_searches_that_found_nothing():
     art["stage2"].append(tie)
     note = run_page.selection_note(art)
     assert "2 of the 8 evaluated sets tie" in note and "found nothing" not in note
-    assert results_page._reliability_columns(art)["curse_text"].endswith(", 2 sets tied")  # the results page's column
     # Nothing helps: every single head scores like the full model (MBPP on 2 items), the first one is frozen.
     flat = {"accuracy": 0.5, "gain_points": 0.0, "n_correct": 2, "harm": 0, "help": 0}
     art["stage1"] = [dict(flat, heads=[h]) for h in ("L0.H0", "L0.H1", "L0.H2")]
@@ -325,7 +321,7 @@ def test_run_title():
 def test_nan_relative_error_reduction_when_the_full_model_is_perfect(tmp_path):
     write_json(tmp_path / "x.json", make_artifact(full=1.0, ablated=1.0))
     table = results_page.summarize(load_artifacts(tmp_path))
-    assert table.rel_error_reduction[0] == "n/a" and table.holdout[0] == "100.0 -> 100.0 (+0.0)"
+    assert table.holdout[0] == "100.0 -> 100.0 (+0.0)" and table.gain_points[0] == 0.0
     assert math.isnan(make_artifact(full=1.0, ablated=1.0)["holdout"]["relative_error_reduction"])
 
 
@@ -353,3 +349,51 @@ def test_a_table_row_wider_than_its_header_is_an_error():
     assert md_table(["a", "b"], [["1", "2"]]).splitlines()[-1] == "| 1 | 2 |"
     with pytest.raises(ValueError, match="3 cells for 2 columns"):
         md_table(["a", "b"], [["1", "2", "3"]])
+
+
+def _answered(task: str, full: list[int], ablated: list[int], labels: list[str], model: str = "tiny-model") -> dict:
+    art = make_artifact(model=model, task=task, full=0.5, ablated=0.5, n_items=len(full))
+    art["floors"] = {"labels": labels, "chance": 1 / len(labels)}
+    art["holdout"]["full_predictions"], art["holdout"]["ablated_predictions"] = full, ablated
+    return art
+
+
+def test_the_results_page_names_a_response_bias_shift_only_where_the_changed_answers_go_one_way(tmp_path):
+    one_way = _answered("boolq", [0] * 20 + [1] * 4, [1] * 19 + [0] + [1] * 4, ["no", "yes"])  # 19 no->yes, 0 back
+    both_ways = _answered("boolq", [0] * 10 + [1] * 10, [1] * 10 + [0] * 10, ["no", "yes"], model="other")  # 10 and 10
+    arts = [one_way, both_ways]
+    write_json(tmp_path / "a.json", one_way)
+    write_json(tmp_path / "b.json", both_ways)
+    table = results_page.summarize(load_artifacts(tmp_path))
+    sentence = results_page.bias_sentence(table, arts)
+    assert "tiny-model on boolq, where 19 of the 19 changed answers went 'no' -> 'yes'" in sentence
+    assert "other on boolq" not in sentence
+    assert results_page.bias_sentence(table, [both_ways, dict(both_ways, model={"name": "tiny-model"})]).startswith(
+        "In none of the 2 multiple-choice runs")
+
+
+def test_the_results_page_keeps_each_runs_details_on_its_run_page(tmp_path):
+    """The long verdict sentence is in the run page's key-result box, not on the results page; the results page's
+    verdict table is one short row per run."""
+    art = make_artifact(task="boolq", full=0.5, ablated=0.6, n_items=40)
+    art["holdout"]["full_correct"] = [1] * 20 + [0] * 20
+    art["holdout"]["ablated_correct"] = [1] * 20 + [1] * 4 + [0] * 16
+    write_json(tmp_path / "results" / "a.json", art)
+    page = results_page.write_results_page(tmp_path / "results", tmp_path / "results.md").read_text()
+    verdict = run_page.verdict_of(art)["text"]
+    assert verdict not in page and verdict in run_page.key_result(art)
+    row = next(line for line in page.splitlines() if line.startswith("| tiny-model, boolq"))
+    assert row.count("|") == 8 and "**" + run_page.verdict_word(run_page.verdict_of(art)) + "**" in row
+
+
+def test_every_run_at_once_lists_the_runs_top_down_in_the_tables_order(tmp_path):
+    from cel_utils.book.overview_figure import overview_figure
+
+    with_null = make_artifact(task="boolq")
+    with_null["reliability"] = {"null": {"quantiles": {"min": -1.0, "max": 1.0}}}
+    write_json(tmp_path / "a.json", make_artifact(task="arithmetic_2da"))  # no random sets: its row has no band
+    write_json(tmp_path / "b.json", with_null)
+    table = results_page.summarize(load_artifacts(tmp_path))
+    figure = overview_figure(table, {r.stem: a for r, a in zip(table.itertuples(), [make_artifact(), with_null])}, [])
+    order = list(figure.figure.layout.yaxis.categoryarray)
+    assert order[::-1] == [f"{r.model} · {r.task}" for r in table.itertuples()]  # plotly's first category is the bottom

@@ -289,16 +289,20 @@ def test_a_page_words_the_verdict_from_the_artifacts_numbers_not_its_stored_text
 
 
 def test_a_calibration_baseline_that_failed_on_the_holdout_is_not_a_baseline_beaten():
-    from cel_utils.book.results_page import calibration_text
+    from test_report import make_artifact
 
-    versus = {"gain_points": 7.4, "p_value": 0.00064}
-    assert calibration_text({"n_groups": 4, "holdout_gain_points": -5.8, "ablation_vs_calibration": versus}) == \
-        "-5.8: fails on the holdout (the full model is the baseline)"
-    assert calibration_text({"n_groups": 1, "holdout_gain_points": 0.0, "ablation_vs_calibration": versus}).startswith(
-        "none: no offsets helped")
-    assert calibration_text({"n_groups": 2, "holdout_gain_points": 19.2,
-                             "ablation_vs_calibration": {"gain_points": -8.4, "p_value": 0.0044}}) == \
-        "+19.2 (ablation - calibration -8.4, p = 0.004)"
+    from cel_utils.book import run_page
+
+    artifact = make_artifact(task="boolq", full=0.4, ablated=0.5, n_items=500)
+    failed = {"n_groups": 4, "folds": 5, "holdout_accuracy": 0.342, "holdout_gain_points": -5.8,
+              "ablation_vs_calibration": {"gain_points": 7.4, "p_value": 0.00064}}
+    artifact["reliability"] = {"calibration": failed}
+    row = run_page.reliability_table(artifact).loc["calibration baseline (offsets fitted on discovery)"].iloc[0]
+    assert row.startswith("34.2% on the holdout (-5.80 points") and "ablation minus calibration" not in row
+    artifact["reliability"] = {"calibration": {**failed, "holdout_accuracy": 0.592, "holdout_gain_points": 19.2,
+                                               "ablation_vs_calibration": {"gain_points": -8.4, "p_value": 0.0044}}}
+    row = run_page.reliability_table(artifact).loc["calibration baseline (offsets fitted on discovery)"].iloc[0]
+    assert row.endswith("ablation minus calibration -8.40, McNemar p = 0.004")
 
 
 def test_results_page_shows_interval_p_value_null_and_stability(tmp_path):
@@ -331,9 +335,14 @@ def test_results_page_shows_interval_p_value_null_and_stability(tmp_path):
     write_json(tmp_path / "results" / "new.json", new)
     page = results_page.write_results_page(tmp_path / "results", tmp_path / "results.md").read_text()
     assert "| tiny-model, boolq (seed 0) | 50.0 -> 75.0 (+25.0) | n/a | [-2.5, +50.0] | 0.012 |" in page
-    assert "## Is the gain real?" in page and "100th pct of 4 (p = 0.20, the smallest 4 sets allow)" in page and "+50.0 -> +25.0" in page
-    assert "75% of 4, Jaccard 0.75, holdout gains +12.5 .. +25.0" in page
-    assert "p = 0.50" in page  # the old artifact: recomputed
+    # Across the runs, in words: the winner's curse and what 4 random sets can show; each run's checks on its page.
+    assert "than on the holdout in 1 of 1 runs, by +25.0 to +25.0 points" in page
+    assert "not beyond chance in 1 of 1 runs with random sets; with as few as 4 sets the smallest p a run can reach " \
+           "is 0.20" in page
+    assert "## Is the gain real?" not in page and "Jaccard" not in page  # not repeated on the results page
+    assert "frozen set re-selected in 75%" in run_page.reliability_table(new).loc["selection stability"].iloc[0]
+    old_row = next(line for line in page.splitlines() if line.startswith("| tiny-model, arithmetic_2da"))
+    assert old_row.split(" | ")[4] == "0.50"  # the old artifact: its test recomputed from the stored vectors
 
     assert "exact McNemar p = 0.012" in run_page.reliability_sentence(new)
     assert "100th percentile" in run_page.reliability_sentence(new)

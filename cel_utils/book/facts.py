@@ -61,7 +61,8 @@ def preset_facts() -> dict[str, str]:
 
 def paper_facts(table: Path) -> dict[str, str]:
     """The paper's Table 1 as quoted in prose: its largest and smallest gains."""
-    from cel_utils.book.results_page import paper_rer, read_paper_table
+    from cel_utils.book.paper_comparison import paper_rer
+    from cel_utils.book.results_page import read_paper_table
 
     rows = read_paper_table(table)
     best = max(rows, key=lambda r: float(r["gain_points"]))

@@ -11,11 +11,11 @@ Drawn from the artifacts only (the results page's summary), offline like every f
 from __future__ import annotations
 
 import json
+import math
 
 import pandas as pd
 
 from cel_utils.book.interactive import HARMFUL, HELPFUL, OfflineFigure
-from cel_utils.book.text import pct
 from cel_utils.config import TASK_FAMILIES, task_family
 
 GREY, DARK = "#bdbdbd", "#424242"
@@ -37,8 +37,8 @@ def overview_figure(table: pd.DataFrame, artifacts: dict[str, dict], paper_rows:
     labels = [_row_label(r) for r in runs]
     urls = [f"{link_prefix}{r.stem}.html" if r.page else "" for r in runs]
     figure = make_subplots(rows=1, cols=2, column_widths=[0.7, 0.3], horizontal_spacing=0.12,
-                           subplot_titles=("this book's runs: holdout gain (points)",
-                                           "the paper's Table 1 gains (points), 3B models"))
+                           subplot_titles=("this book: holdout gain (points)", "paper, 3B: gain"))
+    figure.update_annotations(font={"size": 12})  # the subplot titles: each fits over its own panel at 700 px
 
     def series(name: str, xs: list, **style) -> None:
         hover = [_hover(r, artifacts.get(r.stem, {})) for r in runs]
@@ -55,9 +55,9 @@ def overview_figure(table: pd.DataFrame, artifacts: dict[str, dict], paper_rows:
                              row=1, col=1)
     if any(nulls):
         figure.add_trace(go.Scatter(x=[None], y=[None], mode="lines", line={"color": GREY, "width": 10},
-                                    name="random head sets (range)"), row=1, col=1)
+                                    name="random sets (range)"), row=1, col=1)
     adjusted = [r.family or {} for r in runs]
-    series("holdout gain, family-adjusted interval", [r.gain_points for r in runs], mode="markers",
+    series("holdout gain, adjusted CI", [r.gain_points for r in runs], mode="markers",
            marker={"size": 11, "color": [HELPFUL if r.gain_points > 0 else HARMFUL for r in runs]},
            error_x={"type": "data", "symmetric": False, "thickness": 3, "width": 0,
                     "array": [a.get("ci_high", r.gain_points) - r.gain_points for r, a in zip(runs, adjusted)],
@@ -68,7 +68,7 @@ def overview_figure(table: pd.DataFrame, artifacts: dict[str, dict], paper_rows:
                     "array": [(s or {}).get("ci_high", r.gain_points) - r.gain_points for r, s in zip(runs, sig)],
                     "arrayminus": [r.gain_points - (s or {}).get("ci_low", r.gain_points) for r, s in zip(runs, sig)]})
     curse = [x.get("winners_curse") for x in rel]
-    series("discovery gain (winner's curse)", [c["discovery_gain_points"] if c else None for c in curse],
+    series("discovery gain", [c["discovery_gain_points"] if c else None for c in curse],
            mode="markers", marker={"symbol": "diamond-open", "size": 10, "color": DARK})
     calibration = [x.get("calibration") for x in rel]
     if any(c and c.get("n_groups") != 1 for c in calibration):
@@ -76,7 +76,7 @@ def overview_figure(table: pd.DataFrame, artifacts: dict[str, dict], paper_rows:
                                         for c in calibration],
                mode="markers", marker={"symbol": "x", "size": 9, "color": "#7b3294"})
     if any(r.control_gain is not None for r in runs):
-        series("same heads mean-ablated", [r.control_gain for r in runs], mode="markers",
+        series("mean-ablated", [r.control_gain for r in runs], mode="markers",
                marker={"symbol": "square-open", "size": 9, "color": "#e66101"})
     figure.add_vline(x=0, line={"color": DARK, "width": 1}, row=1, col=1)
     families = [f for f in TASK_FAMILIES if any(task_family(r.task) == f for r in runs)
@@ -87,11 +87,21 @@ def overview_figure(table: pd.DataFrame, artifacts: dict[str, dict], paper_rows:
                                     mode="markers", name=f"paper: {model}", marker={"size": 9, "symbol": "circle"},
                                     hovertemplate=f"{model} on %{{y}}: %{{x:+.2f}} points<extra></extra>"),
                          row=1, col=2)
+    # Rows in the table's order, top down (a categorical axis otherwise orders by first appearance across traces, and
+    # the random-set bands come first, only for runs that have them).
+    figure.update_yaxes(categoryorder="array", categoryarray=labels, row=1, col=1)
     figure.update_yaxes(categoryorder="array", categoryarray=families[::-1], row=1, col=2)
     figure.update_xaxes(zeroline=True, row=1, col=2)
-    height = 140 + (22 if small else 34) * max(len(runs), 4)
-    figure.update_layout(height=height, width=None if not small else 760, margin={"l": 10, "r": 10, "t": 60, "b": 40},
-                         legend={"orientation": "h", "y": -0.12 if not small else -0.25, "font": {"size": 11}},
+    # The plot area gets a fixed height per run; the legend below it, two entries to a line, gets its own pixels.
+    entries = sum(trace.showlegend is not False for trace in figure.data)
+    legend_px = 0 if small else 22 * math.ceil(entries / 2)
+    plot_px = (22 if small else 30) * max(len(runs), 4)
+    height = 100 + plot_px + legend_px
+    figure.update_layout(height=height, width=None if not small else 760,
+                         margin={"l": 10, "r": 10, "t": 60, "b": 40 + legend_px},
+                         legend={"orientation": "h", "y": -30 / plot_px if not small else -0.25,
+                                 "yanchor": "top", "entrywidth": 0.5, "entrywidthmode": "fraction",
+                                 "font": {"size": 11}},
                          title={"text": "Every run at once" + ("" if small else
                                 " <sup>(click a run for its page)</sup>"), "font": {"size": 15}},
                          showlegend=not small)
@@ -138,10 +148,3 @@ plot.on('plotly_click', function (event) {
 def figure_json(figure: OfflineFigure) -> str:
     """The figure's data as JSON (tests read the numbers back)."""
     return json.dumps(figure.figure.to_plotly_json(), default=str)
-
-
-def floors_note(table: pd.DataFrame) -> str:
-    """One line under the figure: which runs sit at their floor."""
-    at = [f"{r.model} on {r.task} ({pct(r.full)}% against {r.floor_text})" for r in table.itertuples() if r.at_floor]
-    return ("At their floor (the full model does not beat the best trivial answer on the same items): "
-            + "; ".join(at) + ".") if at else "No run's full model is at its floor."

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from cel_utils.book.text import md_table, pct
+from cel_utils.book.text import md_table
 from cel_utils.config import TASK_FAMILIES, RunConfig, task_family
 from cel_utils.tasks.scoring import relative_error_reduction
 
@@ -54,9 +54,9 @@ def _column_name(model: str, seed: int, columns: list[tuple[str, int]]) -> str:
 
 
 def our_cell(run) -> str:
-    """``task: full -> ablated (gain), adjusted CI; verdict``, for one of our runs (a summary row)."""
-    interval = f"adjusted CI [{run.ci_low:+.1f}, {run.ci_high:+.1f}]" if run.ci_low is not None else "no test"
-    text = f"{run.holdout}, {interval}; **{run.word}**"
+    """``task: gain; verdict`` for one of our runs (a summary row): the gain beside the paper's, the rest of the run's
+    numbers in the verdict table above it."""
+    text = f"{run.gain_points:+.1f}; **{run.word}**"
     if task_family(run.task) != run.task:
         text = f"{run.task}: {text}"
     return text
@@ -94,23 +94,19 @@ def task_sentence(family: str, runs: list, paper: list[tuple[str, float]],
         if run.ci_low is None:
             parts.append(f"{who} has no paired test")
             continue
-        interval = f"[{run.ci_low:+.1f}, {run.ci_high:+.1f}]"
         adjusted = "family-adjusted " if run.family and run.family["m"] > 1 else ""
         if run.at_floor:
-            parts.append(f"{who} cannot be set beside them: its full model is at its floor ({pct(run.full)}% against "
-                         f"{run.floor_text}), so a gain there measures something else than a gain of a model that can "
-                         f"do the task ({run.gain_points:+.1f} points, {adjusted}{interval}, {run.word})")
+            parts.append(f"{who} cannot be set beside them (at its floor)")
             continue
         if run.kind == "gain":
-            verdict = f"{who} gains significantly too: {run.gain_points:+.1f} points, {adjusted}{interval}"
+            verdict = f"{who} gains significantly too"
         elif run.kind == "loss":
-            verdict = (f"for {who} the ablation significantly hurts: {run.gain_points:+.1f} points, {adjusted}"
-                       f"{interval}")
+            verdict = f"for {who} the ablation significantly hurts"
         elif run.kind == "not significant" and paper and run.ci_high < min(g for _, g in paper):
-            verdict = (f"{who} shows no significant gain ({run.gain_points:+.1f} points), and its {adjusted}interval "
-                       f"{interval} rules out, for this model on this holdout, gains as large as the paper's")
+            verdict = (f"{who} shows no significant gain, and its {adjusted}interval rules out, for this model on this "
+                       "holdout, gains as large as the paper's")
         else:
-            verdict = (f"{who}: {run.gain_points:+.1f} points, {adjusted}{interval}, "
+            verdict = (f"{who}: "
                        + ("too few changed answers to detect any gain" if run.kind == "underpowered"
                           else "not significant")
                        + (f"; {_placement(run.ci_low, run.ci_high, paper)}" if paper and run.kind != "underpowered"
@@ -143,12 +139,11 @@ def side_by_side(table: pd.DataFrame, paper_rows: list[dict]) -> list[str]:
               + [_column_name(m, s, columns) for m, s in columns])
     return ["## The paper's Table 1 beside ours", "",
             "The paper's three 3B models (its Table 1, as printed: full -> ablated (gain), relative error reduction) "
-            "and this project's models on the same four tasks (full -> ablated (gain) on our holdout, the gain's "
-            "interval adjusted for the book's runs, and the verdict). This is not a replication: our models are "
-            "135M and 270M parameters, quantized to 4 bits, the paper's 3B; our holdouts are hundreds of items, the "
-            "paper's thousands; and our stage 1 is screened on a CPU. So nothing below says that a run agrees or "
-            "disagrees with the paper. Each sentence says what a run shows for its own model, and a run whose full "
-            "model is at its floor is not set beside the paper's at all.", "",
+            "and the gain of each of our runs with its verdict. This is not a replication: our models are 135M and 270M "
+            "parameters, quantized to 4 bits; our holdouts are hundreds of items, the paper's thousands; our stage 1 is "
+            "screened. So nothing below says that a run agrees or disagrees with the paper: each sentence says what a "
+            "run shows for its own model, and a run whose full model is at its floor measures something else than a "
+            "gain of a model that can do the task, so it is not set beside the paper's at all.", "",
             md_table(header, body), "", *[f"* {s}" for s in sentences], ""]
 
 
@@ -184,7 +179,7 @@ def hour_note(artifacts: list[dict], transfers: list[dict]) -> list[str]:
                      f"{sub[0]['n_items']} of {sub[0]['n_holdout']}" if sub else "none"])
     if not rows:
         return []
-    return ["```{admonition} What the CPU hour left out, and what --preset paper on a GPU adds", ":class: note",
+    return ["```{admonition} What the CPU hour left out, and what --preset paper on a GPU adds", ":class: dropdown note",
             "On two CPU cores the main job runs the `cpu` preset: small discovery and holdout sets, a screened stage 1 "
             "(a cheap screen picks the *m* heads evaluated exactly), a small pool and budget, few or no random sets "
             "and stability resamples, and the transfer matrix on a subset of each holdout. `python -m cel_utils main --preset paper` "

@@ -1,5 +1,7 @@
-"""The book's results page across runs: our Table 1, every run in detail, is each gain real, the strategies, and the
-paper's own Table 1; written by ``python -m cel_utils aggregate`` from the JSON artifacts."""
+"""The book's results page across runs, meant to be read in five minutes: every run in one figure, one compact verdict
+table and what holds across the runs, the transfer matrices, the strategies, and the paper's own Table 1; written by
+``python -m cel_utils aggregate`` from the JSON artifacts. The details of a run are on its run page
+(:mod:`cel_utils.book.run_page`), each number once."""
 from __future__ import annotations
 
 import csv
@@ -11,19 +13,17 @@ from pathlib import Path
 import pandas as pd
 
 from cel_utils.book.claims import first_looks, primary_family, run_key, second_look
-from cel_utils.book.run_page import (answer_profile, floor_rows, margin_text, power_of, run_stem, significance,
-                                     tied_at_top, verdict_of, verdict_word)
-from cel_utils.book.paper_comparison import PAPER_COMPUTED_MARK, PAPER_MODELS, hour_note, paper_cell, paper_rer, side_by_side
-from cel_utils.book.overview_figure import floors_note, overview_figure
+from cel_utils.book.run_page import floor_rows, run_stem, significance, verdict_of, verdict_word
+from cel_utils.book.paper_comparison import PAPER_COMPUTED_MARK, PAPER_MODELS, hour_note, side_by_side
+from cel_utils.book.overview_figure import overview_figure
 from cel_utils.book.strategies_page import strategies_section
 from cel_utils.book.transfer_page import raw_html, transfer_section
-from cel_utils.book.text import ci_text, md_table, ordinal, p_is, p_text, pct, provenance_text, rer_text, transition_text
+from cel_utils.book.text import ci_text, md_table, p_text, pct, transition_text
 from cel_utils.config import BOOK_SEED, TASK_FAMILIES, task_family, task_sort_key
 from cel_utils.paths import atomic_write
 from cel_utils.pipeline.artifacts import load_artifacts
 from cel_utils.pipeline.transfer import load_transfers
 from cel_utils.stats.power import ALPHA
-from cel_utils.tasks.scoring import relative_error_reduction
 
 PAPER_TITLE = "Can Capability Enhancement Be Localized to Specific Attention Heads?"
 TASK_ORDER = TASK_FAMILIES  # the book's task order
@@ -46,17 +46,13 @@ def summarize(artifacts: list[dict], runs_dir: Path | None = None) -> pd.DataFra
             "full": h["full_accuracy"], "ablated": h["ablated_accuracy"],
             "gain_points": 100 * (h["ablated_accuracy"] - h["full_accuracy"]),
             "holdout": transition_text(h["full_accuracy"], h["ablated_accuracy"]),
-            "rel_error_reduction": rer_text(relative_error_reduction(100 * h["full_accuracy"], 100 * h["ablated_accuracy"])),
-            "heads": h["heads_label"], "data": provenance_text(art["data"]),
-            "engine": art["config"].get("engine", "?"), "stem": stem, "page": bool(page),
+            "heads": h["heads_label"], "stem": stem, "page": bool(page),
             "family": adjusted.to_json() if adjusted else None, "second_look": second_look(art, looks),
             **_reliability_columns(art, adjusted.to_json() if adjusted else None),
         })
     columns = ["task", "model", "seed", "metric", "n_discovery", "n_holdout", "p", "k", "full", "ablated", "gain_points",
-               "holdout", "rel_error_reduction", "heads", "data", "engine", "stem", "page", "family", "second_look",
-               "ci_low", "ci_high", "ci", "p_value", "null_text", "curse_text", "stability_text", "verdict", "kind",
-               "word", "at_floor", "floor_text", "floor", "stage1", "power_text", "calibration_text", "margin_text",
-               "control_text", "control_gain", "answers_text"]
+               "holdout", "heads", "stem", "page", "family", "second_look", "ci_low", "ci_high", "ci", "p_value",
+               "verdict", "kind", "word", "at_floor", "floor_text", "floor_what", "floor", "control_gain"]
     table = pd.DataFrame(rows, columns=columns)
     if table.empty:
         return table
@@ -65,14 +61,10 @@ def summarize(artifacts: list[dict], runs_dir: Path | None = None) -> pd.DataFra
 
 
 def _reliability_columns(art: dict, family: dict | None = None) -> dict:
-    """Text cells for the results page from a run's significance, floors, control, null, winner's curse and stability.
-    ``ci_low``/``ci_high`` are the interval quoted against other numbers: the family-adjusted one when there is a
-    family of more than one."""
-    sig, rel = significance(art), art.get("reliability") or {}
-    null, curse, stab = rel.get("null"), rel.get("winners_curse"), rel.get("stability")
-    tied, power, cal = tied_at_top(art)[0], power_of(art), rel.get("calibration")
+    """The verdict, floor and control cells of a run's row. ``ci_low``/``ci_high`` are the interval quoted against other
+    numbers: the family-adjusted one when there is a family of more than one."""
+    sig = significance(art)
     verdict = verdict_of(art, family)
-    method = art.get("stage1_method") or {"method": "exact"}
     floors = floor_rows(art)
     floor = max(floors, key=lambda r: r[1]) if floors else None
     wide = family is not None and family["m"] > 1
@@ -81,44 +73,12 @@ def _reliability_columns(art: dict, family: dict | None = None) -> dict:
         "verdict": verdict["text"] if verdict else "n/a", "kind": verdict["kind"] if verdict else "n/a",
         "word": verdict_word(verdict) if verdict else "n/a", "at_floor": bool(verdict and verdict.get("at_floor")),
         "floor": floor[1] if floor else None,
-        "floor_text": f"{pct(floor[1])} ({floor[0]})" if floor else "n/a",
-        "stage1": "exact" if method["method"] == "exact" else f"{method['screen']}, m = {method['keep']}",
-        "power_text": ("n/a" if power is None else "none detectable" if power["min_detectable_gain_points"] is None
-                       else f"{power['min_detectable_gain_points']:.1f} points"),
-        "calibration_text": calibration_text(cal),
+        "floor_text": f"{pct(floor[1])} ({floor[0]})" if floor else "n/a", "floor_what": floor[0] if floor else None,
         "ci": ci_text(sig), "p_value": sig["p_value"] if sig else float("nan"),
         "ci_low": (family["ci_low"] if wide else sig["ci_low"]) if sig else None,
         "ci_high": (family["ci_high"] if wide else sig["ci_high"]) if sig else None,
-        "margin_text": margin_text(rel["margin"]) if rel.get("margin") else "n/a",
-        "control_text": (f"{pct(control['accuracy'])} ({control['vs_full']['gain_points']:+.1f}); "
-                         f"{control['ablation']} - {(art.get('config') or {}).get('ablation', 'zero')} "
-                         f"{control['vs_search']['gain_points']:+.1f}, {p_is(control['vs_search']['p_value'])}"
-                         if control else "n/a"),
         "control_gain": control["vs_full"]["gain_points"] if control else None,
-        "answers_text": answer_profile(art),
-        "null_text": (f"{ordinal(null['percentile'])} pct of {null['n_sets']}"
-                      + (f" on {null['n_items']} random items" if "n_items" in null else "") + f" ({p_is(null['p_value'])}"
-                      + (f", the smallest {null['n_sets']} sets allow" if null["p_value"] <= 1 / (null["n_sets"] + 1) + 1e-12
-                         else "") + ")"
-                      if null else "not run"),
-        "curse_text": (f"{curse['discovery_gain_points']:+.1f} -> {curse['holdout_gain_points']:+.1f}" if curse else "n/a")
-        + (f", {tied} sets tied" if tied > 1 else ""),
-        "stability_text": (f"{100 * stab['frozen_set_frequency']:.0f}% of {stab['n_resamples']}, Jaccard "
-                           f"{stab['mean_jaccard']:.2f}, holdout gains {stab['holdout_gain_quantiles']['min']:+.1f} .. "
-                           f"{stab['holdout_gain_quantiles']['max']:+.1f}" if stab else "not run"),
     }
-
-
-def calibration_text(cal: dict | None) -> str:
-    """The calibration baseline's cell: its holdout gain and the ablation against it, or why there is nothing to beat."""
-    if not cal:
-        return "n/a"
-    if cal.get("n_groups") == 1:
-        return "none: no offsets helped on held-out discovery folds"
-    if cal["holdout_gain_points"] <= 0:
-        return f"{cal['holdout_gain_points']:+.1f}: fails on the holdout (the full model is the baseline)"
-    versus = cal["ablation_vs_calibration"]
-    return f"{cal['holdout_gain_points']:+.1f} (ablation - calibration {versus['gain_points']:+.1f}, {p_is(versus['p_value'])})"
 
 
 def paper_gains_against(task: str, ci_low: float | None, ci_high: float | None, paper_rows: list[dict]) -> str:
@@ -168,91 +128,52 @@ def family_sentence(table: pd.DataFrame) -> str:
     floor = int(table.at_floor.sum())
     return (f"These {m} runs are one family of tests. Alone, {raw} of them {'is' if raw == 1 else 'are'} significant at "
             f"p ≤ {ALPHA:g}; if no ablation changed anything, {ALPHA * m:.1f} would be on average by chance. After "
-            f"Holm's adjustment for the {m} tests, {adjusted} {'is' if adjusted == 1 else 'are'}. The intervals quoted "
-            f"here are Bonferroni's (each at {100 * (1 - ALPHA / m):.2f}%, so that all {m} hold together at 95%); "
-            f"{{ref}}`the method <many-tests-one-family>` says why. In {floor} of the {m} runs the full model is "
-            "not above its floor, the best trivial answer on the same items, and the verdict says so first.")
+            f"Holm's adjustment for the {m} tests, {adjusted} {'is' if adjusted == 1 else 'are'} "
+            f"({{ref}}`the method <many-tests-one-family>` says why). In {floor} of the {m} runs the full model is not "
+            "above its floor, and the verdict says so first.")
 
 
 def results_markdown(artifacts: list[dict], paper_rows: list[dict], runs_dir: Path | None = None,
                      link_prefix: str = "runs/", source_note: str = "", strategies: list[dict] | None = None,
                      transfers: list[dict] | None = None) -> str:
-    """The results page (MyST Markdown): the verdicts, floors and control, each run's checks, the transfer matrices,
-    and the paper's reference."""
+    """The results page (MyST Markdown), read in five minutes: every run in one figure, one compact verdict table with
+    what holds across the runs in a few sentences, the transfer matrices, and the paper's reference. Each run's long
+    verdict, its checks (power, margin, calibration, random sets, stability), its control and its answer shares are on
+    its run page; the per-cell transfer numbers and the CPU hour's sizes are in dropdowns."""
     table = summarize(artifacts, runs_dir)
     out = ["# Results", "",
            "Each run searches a discovery set for at most *k* heads whose zero-ablation helps most (see "
-           "[the method](method.md)), freezes them, and scores them once on a disjoint holdout. A cell reads "
-           "**full -> ablated (gain)**: holdout accuracy in percent of the full model, of the model with the frozen "
-           "heads ablated, and the difference in points. Click a run for its page.", ""]
+           "[the method](method.md)), freezes them, and scores them once on a disjoint holdout. **full -> ablated "
+           "(gain)** is holdout accuracy in percent of the full model and of the ablated one, and the difference in "
+           "points. A run's page has its verdict in words, its checks and its control.", ""]
     if table.empty:
         out += ["```{note}", "No runs yet. Run `python -m cel_utils grid` (or `python -m cel_utils main`), then rebuild the book.",
                 "```", ""]
     else:
-        verdicts = [[_run_label(r, link_prefix), r.holdout, r.floor_text,
+        verdicts = [[_run_label(r, link_prefix), r.holdout, pct(r.floor) if r.floor is not None else "n/a",
                      f"[{r.ci_low:+.1f}, {r.ci_high:+.1f}]" if r.ci_low is not None else "n/a", p_text(r.p_value),
-                     p_text(r.family["p_adjusted"]) if r.family else "n/a", f"**{r.word}**", r.control_text]
+                     p_text(r.family["p_adjusted"]) if r.family else "n/a", f"**{r.word}**"]
                     for r in table.itertuples()]
         adjusted_level = f"{100 * (1 - ALPHA / max(1, len(table))):.2f}%"
         by_stem = {run_stem(a): a for a in artifacts}
         figure = overview_figure(table, by_stem, paper_rows, link_prefix.replace(".ipynb", ""))
-        out += ["## Every run at once", "",
+        out += ["## Every run at once", "", *raw_html(figure.to_html()),
                 "Each row is one run: the dot is its holdout gain with the interval adjusted for all the runs (thick) "
                 "and the interval of the run alone (thin); the open diamond is the same set's gain on the discovery "
                 "items it was chosen on (the gap is the winner's curse); the grey band is the range of random head sets "
                 "of the same size on the same holdout; the square is the same heads mean-ablated, the cross the "
                 "calibration baseline (multiple choice). The paper's gains are on an axis of their own: other models "
-                "and sizes. Hover for the numbers, click a run for its page.", "",
-                *raw_html(figure.to_html()), floors_note(table), ""]
+                "and sizes. Hover for the numbers, click a run for its page.", ""]
         out += ["## Verdicts", "",
-                f"One row per run: the holdout result, the floor (the best trivial answer on the same items: chance or "
-                f"always giving one answer), the gain's interval adjusted for the {len(table)} runs ({adjusted_level} "
-                "each, 95% together), the exact McNemar p alone and after Holm's adjustment, the verdict, and the "
-                "control: the same heads mean-ablated (replaced by their mean over the discovery items' tokens), its "
-                "accuracy and change from the full model, and its difference from zero-ablation with the paired p."
+                f"The floor is the best trivial answer on the same items ({floors_legend(table)}); the interval is the gain's, adjusted for the {len(table)} runs ({adjusted_level} each, 95% together); p is "
+                "the exact McNemar p alone, Holm p the same after Holm's adjustment."
                 + (f" {SECOND_LOOK_MARK} marks a second look at a holdout pool (below)." if table.second_look.any()
                    else ""), "",
-                md_table(["run", "full -> ablated (gain)", "floor", "gain, adjusted CI", "p", "Holm p", "verdict",
-                          "control: mean-ablated (gain); mean - zero, p"], verdicts), "",
-                family_sentence(table), ""]
-        answers = [f"* **{r.model}, {r.task}:** {r.answers_text}" for r in table.itertuples() if r.answers_text]
-        if answers:
-            out += ["Where the answers are one fixed set (BoolQ's *no* / *yes*), a gain may be a shift of response "
-                    "bias; the answer shares show it:", "", *answers, ""]
-        out += _forking_paths_note(set(int(seed) for seed in table.seed), table)
-        out += ["## Each verdict in words", "",
-                "The verdict of each run, worded by the code from its numbers, with its family (the runs above).", "",
-                *[f"* **{_run_label(r, link_prefix)}:** {r.verdict}." for r in table.itertuples()], ""]
-        controls = [[_run_label(r, link_prefix), f"`{r.heads}`", r.holdout, r.control_text]
-                    for r in table.itertuples()]
-        out += ["## Zero-ablation against its control", "",
-                "A zero vector is a state the model never produced, and the frozen sets include heads of the first "
-                "layers, whose outputs every later layer reads. Each run therefore also scores its frozen set with the "
-                "heads mean-ablated, on the same holdout items; a gain that needs the zero vector is not one that the "
-                "heads' removal alone explains.", "",
-                md_table(["run", "heads", "zero-ablated: full -> ablated (gain)",
-                          "mean-ablated (gain); mean - zero, paired p"], controls), "",
-                *control_sentences(table, artifacts), ""]
-        detail = [[r.task, f"{r.model}, seed {r.seed}", r.rel_error_reduction, f"`{r.heads}`",
-                   f"{r.n_discovery} / {r.n_holdout}, p={r.p}, k={r.k}", r.stage1, r.data]
-                  for r in table.itertuples()]
-        out += ["## Every run", "",
-                "The frozen heads, the relative error reduction (gain / (100 - full)), the sizes (discovery / holdout "
-                "items), the search parameters (pool *p*, budget *k*), how stage 1 ran and where the items came from.",
-                "", md_table(["task", "model", "rel. error red.", "heads", "items, search", "stage 1", "data"], detail), ""]
-        checks = [[r.task, f"{r.model}, seed {r.seed}", r.ci or "n/a", r.power_text, r.margin_text,
-                   r.calibration_text, r.null_text, r.curse_text, r.stability_text] for r in table.itertuples()]
-        out += ["## Is the gain real?", "",
-                "Per run, each test alone: the holdout gain's 95% interval and exact McNemar p; the smallest change that "
-                "test detects with 80% power (the design, not a bound on the effect); the mean change of the gold "
-                "answer's margin, a secondary measure that sees every item move, not only the flips; the calibration "
-                "baseline (multiple choice); the frozen set's place among random head sets of the same size "
-                "(percentile, empirical one-sided p); the discovery gain against the holdout gain (the winner's curse); "
-                "and how often the whole selection picks the same set on resampled discovery sets. "
-                "[Beyond the paper](beyond.md) defines each.",
-                "", md_table(["task", "model", "gain: 95% CI, McNemar p", "smallest detectable change (80% power)",
-                               "gold answer's margin (secondary)", "calibration baseline's gain", "vs random sets",
-                               "discovery -> holdout gain", "frozen set re-selected, overlap, holdout gains"], checks), ""]
+                md_table(["run", "full -> ablated (gain)", "floor", "gain, adjusted CI", "p", "Holm p", "verdict"],
+                         verdicts), "",
+                family_sentence(table), "", *control_sentences(table, artifacts), "",
+                *[f"{s}\n" for s in (bias_sentence(table, artifacts), checks_sentence(artifacts)) if s]]
+        out += ["", *_forking_paths_note(set(int(seed) for seed in table.seed), table)]
     out += transfer_section(transfers or [])
     out += strategies_section(strategies or [], task_sort_key)
     out += _paper_section(paper_rows, table)
@@ -260,6 +181,67 @@ def results_markdown(artifacts: list[dict], paper_rows: list[dict], runs_dir: Pa
     if source_note:
         out += ["", f"<small>{html.escape(source_note)}</small>", ""]
     return "\n".join(out).rstrip() + "\n"
+
+
+def floors_legend(table: pd.DataFrame) -> str:
+    """What the floor is on each task shown, once per task and answer (``boolq: always answering "yes"``)."""
+    seen = dict.fromkeys((r.task, r.floor_what) for r in table.itertuples() if r.floor_what)
+    return "; ".join(f"{task}: {what}" for task, what in seen) or "none stored"
+
+
+BIAS_SHARE = 0.75  # a run's changed answers read as a response-bias shift when at least this share go one way
+BIAS_MIN_CHANGED = 10  # ... and at least this many answers changed (fewer say nothing about a direction)
+
+
+def bias_sentence(table: pd.DataFrame, artifacts: list[dict]) -> str:
+    """Multiple choice: the runs whose changed answers mostly go one way (a shift of response bias, not a skill),
+    from the stored predictions; the run pages give every run's answer shares."""
+    from cel_utils.tasks.floors import changed_answers
+
+    by_stem, shifts, looked = {run_stem(a): a for a in artifacts}, [], 0
+    for r in table.itertuples():
+        art = by_stem[r.stem]
+        labels, h = (art.get("floors") or {}).get("labels"), art["holdout"]
+        if not labels or not h.get("full_predictions"):
+            continue
+        looked += 1
+        moves = changed_answers(h["full_predictions"], h.get("ablated_predictions", []))
+        moved = sum(moves.values())
+        if moved >= BIAS_MIN_CHANGED:
+            (a, b), n = next(iter(moves.items()))
+            if n >= BIAS_SHARE * moved:
+                shifts.append(f"{r.model} on {r.task}, where {n} of the {moved} changed answers went "
+                              f"{labels[a]!r} -> {labels[b]!r}")
+    if not looked:
+        return ""
+    if not shifts:
+        return (f"In none of the {looked} multiple-choice runs do {100 * BIAS_SHARE:.0f}% or more of the changed answers "
+                "go one way; each run page shows its answer shares.")
+    return (f"A gain can be a shift of response bias rather than a skill: {'; '.join(shifts)} ({100 * BIAS_SHARE:.0f}% "
+            f"or more one way, of at least {BIAS_MIN_CHANGED} changed). Each run page shows its answer shares.")
+
+
+def checks_sentence(artifacts: list[dict]) -> str:
+    """The winner's curse and the random-set null across the runs, from the artifacts: how often the discovery gain
+    exceeds the holdout gain, and what the random sets can show at their number."""
+    curses = [c for c in ((a.get("reliability") or {}).get("winners_curse") for a in artifacts) if c]
+    nulls = [n for n in ((a.get("reliability") or {}).get("null") for a in artifacts) if n]
+    parts = []
+    if curses:
+        shrunk = [c for c in curses if c["discovery_gain_points"] > c["holdout_gain_points"]]
+        gaps = [c["discovery_gain_points"] - c["holdout_gain_points"] for c in shrunk]
+        parts.append(f"The winner's curse: the frozen set gained more on the discovery items it was chosen on than on the "
+                     f"holdout in {len(shrunk)} of {len(curses)} runs"
+                     + (f", by {min(gaps):+.1f} to {max(gaps):+.1f} points" if gaps else "") + ".")
+    if nulls:
+        below = sum(n["p_value"] > ALPHA for n in nulls)
+        smallest = min(1 / (n["n_sets"] + 1) for n in nulls)
+        parts.append(f"Against random head sets of the same size the frozen set is not beyond chance in {below} of "
+                     f"{len(nulls)} runs with random sets"
+                     + (f"; with as few as {min(n['n_sets'] for n in nulls)} sets the smallest p a run can reach is "
+                        f"{smallest:.2f}, so this check cannot reject at {ALPHA:g} there" if smallest > ALPHA else "")
+                     + ".")
+    return " ".join(parts)
 
 
 def control_sentences(table: pd.DataFrame, artifacts: list[dict]) -> list[str]:
@@ -320,7 +302,7 @@ def _forking_paths_note(seeds: set[int], table: pd.DataFrame | None = None) -> l
                     "the seed-0 holdout (+6.8 points), and the other tasks' settings were revised while their seed-0 "
                     "holdouts were being reported. No choice used a holdout number as its criterion, but no seed-0 "
                     "holdout is a single look, so a seed-0 p-value is that of one look among several.")
-    return ["```{admonition} How often these holdouts were looked at", ":class: note", " ".join(text), "```", ""]
+    return ["```{admonition} How often these holdouts were looked at", ":class: dropdown note", " ".join(text), "```", ""]
 
 
 def _paper_section(paper_rows: list[dict], table: pd.DataFrame) -> list[str]:
@@ -328,14 +310,12 @@ def _paper_section(paper_rows: list[dict], table: pd.DataFrame) -> list[str]:
     if not paper_rows:
         return []
     section = side_by_side(table, paper_rows)
-    return [section[0], "",
-            f"All twelve cells of Table 1 of *{PAPER_TITLE}*, as printed: holdout accuracy in percent of the full model "
-            "and of the model with the frozen heads ablated, and the gain in points (SmolLM3-3B in its non-thinking "
-            "mode). The gain is the printed one: in three cells it differs from ablated - full by 0.01, a rounding of "
-            "item counts. The paper prints the relative error reduction only for the column's minimum and maximum; "
-            f"the cells marked {PAPER_COMPUTED_MARK} are computed here as gain / (100 - full), the formula that "
-            "reproduces both printed values. The paper does not report which heads it froze. Our runs use other "
-            "(smaller) models and, on a CPU, far fewer items, so they are not expected to match.", "", *section[2:]]
+    return [*section,
+            f"The paper's cells are Table 1 of *{PAPER_TITLE}* as printed (SmolLM3-3B in its non-thinking mode); in three the printed gain differs "
+            "from ablated - full by 0.01, a rounding of item counts. The paper prints the relative error reduction only "
+            f"for a column's minimum and maximum; cells marked {PAPER_COMPUTED_MARK} are computed here as gain / (100 - "
+            "full), the formula that reproduces both printed values. The paper does not report which heads it froze.",
+            ""]
 
 
 def write_results_page(results_dir: Path, out_path: Path, runs_dir: Path | None = None,

@@ -197,23 +197,23 @@ def transfer_section(transfers: list[dict]) -> list[str]:
     """The results page's transfer section (always present: the theory page links to it)."""
     out = [f"({ANCHOR})=", "## Beyond the task: the transfer matrix", "",
            "A frozen set that enhances one task by breaking another is no capability gain. Each model's frozen sets are "
-           "therefore also scored, with the ablation, on the holdout items of the model's other tasks, against the full "
-           "model's outcomes on the same items (`cel transfer`, which `cel main` runs after the grid). Row = the task "
-           "the set was found on, column = the task it is tested on; the diagonal is each run's own holdout result. An "
-           "off-diagonal cell gives the gain in points with its interval adjusted for the matrix's off-diagonal cells "
-           "(Bonferroni), Holm's adjusted McNemar p, and what harm it rules out: harm larger than "
-           f"{MARGIN_POINTS:g} points (the smallest gain the paper reports, fixed before the data) is ruled out where "
-           "the adjusted one-sided lower bound clears it, and otherwise the cell says how much harm it leaves open. "
-           "Off the diagonal a column may use a seeded subset of its task's holdout (`transfer_items`). This is the "
-           "real-model counterpart of the toy model's Theorem 4.3 ([theory](theory.md)), where one deletion helps task A "
-           "and hurts task B.", ""]
+           "therefore also scored on the holdout items of the model's other tasks (`cel transfer`, run by `cel main`). "
+           "Row = the task the set was found on, column = the task it is tested on; the outlined diagonal is each run's "
+           "own result. Off the diagonal, tests are adjusted for the matrix's cells (Holm), and each cell says whether "
+           f"harm larger than {MARGIN_POINTS:g} points (the smallest gain the paper reports, fixed before the data) is "
+           "ruled out. This is the real-model counterpart of the toy model's Theorem 4.3 ([theory](theory.md)). Hover "
+           "a cell for its numbers.", ""]
     if not transfers:
         return out + ["```{note}", "No transfer matrix yet: it needs a model's runs on at least two tasks "
                       "(`python -m cel_utils main`, or `python -m cel_utils transfer` after a grid).", "```", ""]
     for transfer in transfers:
         out += [f"### {transfer['model']['name']} (seed {transfer['seed']})", ""]
         out += raw_html(transfer_heatmap_figure(transfer).to_html())
-        out += [transfer_table(transfer), "", f"\\* significant at p ≤ {ALPHA:g} (exact McNemar; Holm-adjusted off the "
-                "diagonal).", ""]
-        out += [" ".join(transfer_sentences(transfer)), ""]
+        sentences = transfer_sentences(transfer)
+        # In view: the trade-offs and the matrix as a whole (the bold sentences); each set's row in the dropdown.
+        whole = [t for t in sentences if t.startswith("**")]
+        out += [" ".join(whole), ""]
+        out += [f"```{{admonition}} {transfer['model']['name']}'s matrix in numbers, and each set in words",
+                ":class: dropdown", transfer_table(transfer), "", f"\\* significant at p ≤ {ALPHA:g} (exact McNemar; "
+                "Holm-adjusted off the diagonal).", "", " ".join(t for t in sentences if t not in whole), "```", ""]
     return out
