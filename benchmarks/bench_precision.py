@@ -22,7 +22,8 @@ import numpy as np
 
 from cel_utils.config import RunConfig
 from cel_utils.evaluation.engine import EngineEvaluator
-from cel_utils.evaluation.guarded import Guard, GuardedEvaluator, bf16_model
+from cel_utils.evaluation.guarded import Guard, GuardedEvaluator
+from cel_utils.evaluation.precision import bf16_model
 from cel_utils.hardware import machine_summary
 from cel_utils.models.loading import load_model
 from cel_utils.tasks.splits import load_task_data
@@ -57,7 +58,7 @@ def bench_task(lm, task: str, n_items: int | None, n_heads: int, n_pairs: int, o
     times, outcomes = {}, {}
     guard = Guard(seed=config.seed)
     runs = {"fp32": lambda: make(lm), "bf16": lambda: make(bf16_model(lm)),
-            "guarded": lambda: GuardedEvaluator(make(lm), make(lm, fast_lm=bf16_model(lm)), guard)}
+            "guarded": lambda: GuardedEvaluator(make(lm), make(lm, above=bf16_model(lm)), guard)}
     if not plain:
         del runs["bf16"]
     for name, build in runs.items():

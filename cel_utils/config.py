@@ -36,7 +36,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 ENGINES = ("fast", "naive")
 RESAMPLE_METHODS = ("bootstrap", "halves")
 STAGE1_MODES = ("exact", "screened")
-PRECISIONS = ("fp32", "bf16", "guarded", "auto")  # cel_utils.evaluation.guarded
+PRECISIONS = ("fp32", "bf16", "guarded", "auto")  # what each means, and auto: cel_utils.evaluation.precision
 ATTENTION_KERNELS = ("sdpa", "eager", "flash_attention_2")
 PRESET_NAMES = ("auto", "cpu", "paper", "quick", "smoke", "none")
 ABLATIONS = ("zero", "mean")  # cel_utils.models.ablation
@@ -109,7 +109,7 @@ class RunConfig:
                              "guarded (bf16, with fp32 recomputing every decision bf16's audited error could flip: fp32's "
                              "decisions), auto (guarded where the device computes bf16 natively, for multiple-choice "
                              "tasks; else fp32); see "
-                             "cel_utils.evaluation.guarded", choices=PRECISIONS)
+                             "cel_utils.evaluation.precision", choices=PRECISIONS)
     cache: bool = setting(True, "keep every finished evaluation in the store under $CEL_CACHE_DIR (a killed run "
                           "resumes); off: compute everything afresh and store nothing", results=False)
     stage1: str = setting("exact", "stage 1 of Algorithm 1: exact (every head evaluated on every discovery item, the "

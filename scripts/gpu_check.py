@@ -89,9 +89,10 @@ import torch  # noqa: E402
 from cel_utils.evaluation.engine import EngineEvaluator  # noqa: E402
 from cel_utils.evaluation.evaluator import NaiveEvaluator  # noqa: E402
 from cel_utils.evaluation.generation import Decoded, generate  # noqa: E402
-from cel_utils.evaluation.guarded import Guard, GuardedEvaluator, bf16_model  # noqa: E402
+from cel_utils.evaluation.guarded import Guard, GuardedEvaluator  # noqa: E402
 from cel_utils.evaluation.guarded_generation import (decoding_error, guarded_completions,  # noqa: E402
                                                      stacked_completions)
+from cel_utils.evaluation.precision import bf16_model  # noqa: E402
 from cel_utils.hardware import cpu_info  # noqa: E402
 from cel_utils.models.ablation import zero_heads_in_weights  # noqa: E402
 from cel_utils.models.heads import HeadId  # noqa: E402
@@ -449,7 +450,7 @@ class TaskRun:
     def guarded(self) -> tuple[list, Guard]:
         """Guarded decisions (completions) with a first audit of 8 pairs, not all of them, so that the band decides."""
         guard = Guard(audit_pairs=8, seed=0)
-        exact, fast = self.engine(), self.engine(fast_lm=bf16_model(self.lm))
+        exact, fast = self.engine(), self.engine(above=bf16_model(self.lm))
         if self.kind == "decoding":
             return guarded_completions(exact, fast, guard, self.interventions), guard
         return GuardedEvaluator(exact, fast, guard).evaluate(self.interventions), guard
@@ -526,7 +527,7 @@ def stage1_timing(lm: LoadedModel, name: str, items: list[Item]) -> dict:
     def runs(evaluated: list[Item], guard: Guard) -> dict:
         make = functools.partial(EngineEvaluator, task=task, items=evaluated, progress=False)
         return {"fp32": lambda: make(lm), "bf16": lambda: make(fast),
-                "guarded": lambda: GuardedEvaluator(make(lm), make(lm, fast_lm=fast), guard)}
+                "guarded": lambda: GuardedEvaluator(make(lm), make(lm, above=fast), guard)}
 
     for build in runs(items[:4], Guard(seed=0)).values():  # warm-up: kernels chosen, memory allocated, outside the time
         build().evaluate(interventions[:3])

@@ -115,6 +115,7 @@ def test_a_shared_few_shot_prefix_is_computed_once_per_head_set_with_the_same_de
 
 def test_the_prefix_clean_pass_runs_once_per_call_however_many_forwards(tiny_models, data_dir, monkeypatch):
     import cel_utils.evaluation.engine as engine_module
+    import cel_utils.evaluation.guarded as guarded_module
     import cel_utils.evaluation.prefix as prefix_module
 
     lm = tiny_models["llama"]
@@ -122,16 +123,16 @@ def test_the_prefix_clean_pass_runs_once_per_call_however_many_forwards(tiny_mod
     interventions = _interventions(lm.geometry)
     real, passes, stacked = prefix_module.clean_prefix, [], []
     counted = lambda *args: passes.append(1) or real(*args)  # noqa: E731
-    for module in (engine_module, prefix_module):  # the engine's own pass, and any prefix_states would make itself
+    real_states = prefix_module.prefix_states
+    for module in (engine_module, guarded_module):  # the engine's forwards, and the guarded precision's pair recheck
         monkeypatch.setattr(module, "clean_prefix", counted)
-    real_states = engine_module.prefix_states
-    monkeypatch.setattr(engine_module, "prefix_states", lambda *a, **k: stacked.append(1) or real_states(*a, **k))
+        monkeypatch.setattr(module, "prefix_states", lambda *a, **k: stacked.append(1) or real_states(*a, **k))
     engine = EngineEvaluator(lm, data.task, data.discovery, data.fewshot, batch_size=2, token_budget=64, progress=False)
     assert len(engine.prefix) >= 32
     engine.continuation_stats(interventions)
     assert len(stacked) > 3 and len(passes) == 1  # many stacked forwards, one clean pass over the prefix
     passes.clear(), stacked.clear()
-    engine.pair_stats([(i, heads) for i in range(len(data.discovery)) for heads in interventions[1:]])
+    guarded_module.pair_stats(engine, [(i, heads) for i in range(len(data.discovery)) for heads in interventions[1:]])
     assert len(stacked) > 3 and len(passes) == 1
 
 

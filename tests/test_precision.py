@@ -11,11 +11,14 @@ import torch
 from cel_utils.book import run_page
 from cel_utils.config import RunConfig
 from cel_utils.evaluation.engine import EngineEvaluator
-from cel_utils.evaluation.guarded import Guard, GuardedEvaluator, bf16_model, resolve_precision
+from cel_utils.evaluation.guarded import Guard, GuardedEvaluator
+from cel_utils.evaluation.kinds import kind_of
+from cel_utils.evaluation.precision import bf16_model, resolve_precision
 from cel_utils.evaluation.store import EvalStore
 from cel_utils.models.heads import HeadId
 from cel_utils.pipeline import protocol
 from cel_utils.pipeline.protocol import run_cel
+from cel_utils.tasks.catalog import get_task
 from cel_utils.tasks.splits import load_task_data
 
 
@@ -103,7 +106,7 @@ def test_guarded_decides_as_fp32_on_the_default_model(default_model, data_dir, t
     make = functools.partial(EngineEvaluator, task=data.task, items=data.discovery, fewshot=data.fewshot, progress=False)
     exact = make(default_model).evaluate(interventions)
     guard = Guard(audit_pairs=8)
-    fast = make(default_model, fast_lm=bf16_model(default_model))
+    fast = make(default_model, above=bf16_model(default_model))
     outcomes = GuardedEvaluator(make(default_model), fast, guard).evaluate(interventions)
     _same_decisions(exact, outcomes)
     record = guard.to_json()
@@ -128,6 +131,14 @@ def test_auto_is_guarded_only_where_bf16_is_native(monkeypatch):
     assert protocol.run_precision(RunConfig(task="arithmetic_1dc", precision="guarded"), "cpu") == "guarded"
     assert protocol.run_precision(RunConfig(task="mbpp", precision="auto"), "cpu") == "fp32"
     assert protocol.run_precision(RunConfig(task="mbpp", precision="guarded"), "cpu") == "guarded"
+    # the whole rule is the evaluation layer's, and a run's precision is its answer
+    for task in ("boolq", "hellaswag", "arithmetic_1dc", "mbpp"):
+        for setting in ("fp32", "bf16", "guarded", "auto"):
+            for engine in ("fast", "naive"):
+                assert protocol.run_precision(RunConfig(task=task, precision=setting, engine=engine), "cpu") == \
+                    resolve_precision(setting, "cpu", kind_of(get_task(task)), engine), (task, setting, engine)
+    assert resolve_precision("auto", "cpu", kind_of(get_task("boolq")), "naive") == "fp32"  # rechecks need the engine
+    assert resolve_precision("auto", "cpu", kind_of(get_task("mbpp"))) == "fp32"
     with pytest.raises(ValueError, match="choose from"):
         resolve_precision("fp16", "cpu")
     with pytest.raises(ValueError, match="dtype"):
@@ -141,7 +152,7 @@ def test_bf16_numbers_are_never_served_as_fp32_ones(tiny_models, data_dir, tmp_p
     store = EvalStore(tmp_path)
     interventions = _interventions(lm.geometry, 3)
     make = functools.partial(EngineEvaluator, task=data.task, items=data.discovery, progress=False, store=store)
-    (make(bf16_model(lm)) if fast == "bf16 copy" else make(lm, fast_lm=bf16_model(lm))).evaluate(interventions)
+    (make(bf16_model(lm)) if fast == "bf16 copy" else make(lm, above=bf16_model(lm))).evaluate(interventions)
     assert store.read == 0 and store.computed > 0
     make(lm).evaluate(interventions)
     assert store.read == 0  # the fp32 evaluator found nothing of bf16's
@@ -158,7 +169,7 @@ def test_the_fast_pass_is_fp32_below_the_ablated_layers(tiny_models, data_dir, t
     interventions = _interventions(lm.geometry, 3)
     make = functools.partial(EngineEvaluator, task=data.task, items=data.discovery, fewshot=data.fewshot, progress=False)
     fp32, copy16 = make(lm).continuation_stats(interventions), make(bf16_model(lm)).continuation_stats(interventions)
-    fast_evaluator = make(lm, fast_lm=bf16_model(lm))
+    fast_evaluator = make(lm, above=bf16_model(lm))
     assert fewshot == 0 or fast_evaluator.prefix, "the shared prefix's path is not exercised"
     fast = fast_evaluator.continuation_stats(interventions)
     for ours, theirs in zip(fast[0], fp32[0]):  # the full model

@@ -7,8 +7,9 @@ import torch
 
 from cel_utils.evaluation.engine import EngineEvaluator
 from cel_utils.evaluation.generation import generate
-from cel_utils.evaluation.guarded import Guard, GuardedEvaluator, bf16_model
+from cel_utils.evaluation.guarded import Guard, GuardedEvaluator
 from cel_utils.evaluation.guarded_generation import guarded_completions, stacked_completions
+from cel_utils.evaluation.precision import bf16_model
 from cel_utils.models.ablation import ablated, head_mask
 from cel_utils.models.heads import HeadId
 from cel_utils.tasks.splits import load_task_data
@@ -17,10 +18,10 @@ from test_precision import _interventions, _perturbed  # the full model and n si
 TINY_TOKENS = 8  # a random model never says [DONE]: every row decodes this many tokens
 
 
-def _evaluators(lm, fast_lm, data, items, max_new_tokens):
+def _evaluators(lm, fast_model, data, items, max_new_tokens):
     make = functools.partial(EngineEvaluator, task=data.task, items=items, fewshot=data.fewshot,
                              max_new_tokens=max_new_tokens, progress=False)
-    return make(lm), make(fast_lm)
+    return make(lm), make(fast_model)
 
 
 def _fp32(lm, requests, interventions, max_new_tokens) -> list[list[str]]:
@@ -70,12 +71,12 @@ def test_rows_inside_the_band_are_decoded_again_in_fp32(tiny_mbpp):
 
 
 def test_real_bf16_on_a_tiny_model_decides_as_fp32(tiny_mbpp):
-    """The fast evaluator as the guarded precision builds it (fp32's ``lm``, the bf16 copy as ``fast_lm``): the rows are
+    """The fast evaluator as the guarded precision builds it (fp32's ``lm``, the bf16 copy as ``above``): the rows are
     decoded with the bf16 copy."""
     lm, data, interventions, reference = tiny_mbpp
     exact, _ = _evaluators(lm, lm, data, data.discovery, TINY_TOKENS)
     fast = EngineEvaluator(lm, data.task, data.discovery, data.fewshot, max_new_tokens=TINY_TOKENS, progress=False,
-                           fast_lm=bf16_model(lm))
+                           above=bf16_model(lm))
     plain = stacked_completions(fast, interventions)
     assert plain != reference, "bf16 decodes every row as fp32 does: nothing to catch"  # ties of bf16's coarse logits
     guard = Guard(audit_pairs=6, audit_share=0.5)

@@ -76,12 +76,12 @@ class EngineEvaluator(Evaluator):
                      "cel_utils.evaluation.generation", "cel_utils.tasks.scoring", "cel_utils.models.ablation",
                      "cel_utils.models.plumbing")
 
-    def __init__(self, *args, token_budget: int | None = None, fast_lm: LoadedModel | None = None, **kwargs):
+    def __init__(self, *args, token_budget: int | None = None, above: LoadedModel | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        # The guarded precision's fast pass (cel_utils.evaluation.guarded): the clean pass, the kept states and the
-        # unembedding stay on ``lm`` (float32), the stacked ablated layers run on ``fast_lm`` (its bfloat16 copy);
-        # decoding (MBPP) runs wholly on ``fast_lm``.
-        self.fast_lm = fast_lm
+        # The engine's one seam for another precision: the model that computes from an intervention's lowest ablated
+        # layer up, and decodes. ``lm`` itself, or the guarded precision's fast pass's bfloat16 copy
+        # (cel_utils.evaluation.guarded), below which the clean pass, the kept states and the unembedding stay ``lm``'s.
+        self.above = above or self.lm
         self.token_budget = token_budget or default_token_budget(self.lm.device)
         self.budget_halvings: list[int] = []  # the token budgets an out-of-memory error made it fall back to
         if self.kind.loglikelihood:
@@ -112,8 +112,8 @@ class EngineEvaluator(Evaluator):
     def store_fields(self) -> dict:
         # The shortcut stores answer logits, not log-probabilities: a different quantity under the same name.
         fields = super().store_fields()
-        if self.fast_lm:  # numbers partly or wholly computed in another dtype: never served as the model's own
-            fields["fast_dtype"] = str(self.fast_lm.dtype).removeprefix("torch.")
+        if self.above is not self.lm:  # numbers partly or wholly computed in another dtype: never served as lm's own
+            fields["fast_dtype"] = str(self.above.dtype).removeprefix("torch.")
         if not self.kind.loglikelihood:
             return fields
         # A prefix computed apart gives the same numbers up to float rounding, not to the bit: its own context.
@@ -164,7 +164,7 @@ class EngineEvaluator(Evaluator):
             rows = [self.rows[i] for i in batch]
             stack = max(1, self.token_budget // (len(batch) * max(len(row.tokens) for row in rows)))
             if self.prefix:  # each row also holds the prefix's keys and values, at every layer
-                stack = max(1, min(stack, PREFIX_CACHE_BYTES // (len(batch) * self._prefix_bytes())))
+                stack = max(1, min(stack, PREFIX_CACHE_BYTES // (len(batch) * self.prefix_bytes())))
             chunks = []  # (starting layer, interventions of one forward)
             for layer, members in sorted(by_layer.items()):
                 size = stack if layer < n_layers else len(members)  # the full model is the clean pass itself
@@ -182,30 +182,30 @@ class EngineEvaluator(Evaluator):
                     todo.append((layer, chunk))
             if not todo:
                 continue
-            ids, positions, attn = self._inputs(rows)
+            ids, positions, attn = self.batch_inputs(rows)
             with attention_with_mask(self.lm.model, attn), capture_layer_outputs(self.lm.model, wanted) as kept:
                 clean = base_model(self.lm.model)(input_ids=ids, position_ids=positions, attention_mask=attn,
-                                                  **self._prefix_kwargs(clean_states, len(batch))).last_hidden_state
+                                                  **self.prefix_kwargs(clean_states, len(batch))).last_hidden_state
             for layer, chunk in todo:
                 if layer == n_layers:  # the full model: the clean pass itself
                     for index in chunk:
-                        self._collect(per[index], batch, rows, clean)
+                        self.collect_stats(per[index], batch, rows, clean)
                 else:
-                    m = len(chunk)
-                    lm = self.fast_lm or self.lm
+                    m, above = len(chunk), self.above
                     row_masks = torch.cat([masks[i].expand(len(batch), -1, -1) for i in chunk])
-                    state = kept[layer - 1].to(lm.dtype).repeat(m, 1, 1) if layer > 0 else None
-                    states = (prefix_states(self.lm, self.prefix, None, torch.stack([masks[i] for i in chunk]), m,
-                                            self.fast_lm, prefix_pass) if self.prefix else None)
-                    chunk_attn = _in_dtype(attn, lm.dtype)
-                    with attention_with_mask(lm.model, chunk_attn), ablated_rows(lm.model, row_masks, lm.geometry), \
-                            start_at_layer(lm.model, layer, state):
-                        hidden = base_model(lm.model)(
+                    state = kept[layer - 1].to(above.dtype).repeat(m, 1, 1) if layer > 0 else None
+                    states = (prefix_states(above, self.prefix, None, torch.stack([masks[i] for i in chunk]), m,
+                                            prefix_pass) if self.prefix else None)
+                    chunk_attn = _in_dtype(attn, above.dtype)
+                    with attention_with_mask(above.model, chunk_attn), \
+                            ablated_rows(above.model, row_masks, above.geometry), \
+                            start_at_layer(above.model, layer, state):
+                        hidden = base_model(above.model)(
                             input_ids=ids.repeat(m, 1), attention_mask=repeat_mask(chunk_attn, m),
                             position_ids=None if positions is None else positions.repeat(m, 1),
-                            **self._prefix_kwargs(states, len(batch), lm)).last_hidden_state.to(self.lm.dtype)
+                            **self.prefix_kwargs(states, len(batch), above)).last_hidden_state.to(self.lm.dtype)
                     for j, index in enumerate(chunk):
-                        self._collect(per[index], batch, rows, hidden[j * len(batch):(j + 1) * len(batch)])
+                        self.collect_stats(per[index], batch, rows, hidden[j * len(batch):(j + 1) * len(batch)])
                 if self.stored:
                     new = {labels[i]: [per[i][r] for r in batch] for i in chunk if labels[i] not in stored}
                     self._fill(per, [i for i in chunk if labels[i] in stored], batch, labels, stored)  # one value per label
@@ -215,70 +215,15 @@ class EngineEvaluator(Evaluator):
         progress.close()
         return per
 
-    @torch.no_grad()
-    def pair_stats(self, pairs: Sequence[tuple[int, Intervention]]) -> list[ContinuationStats]:
-        """The statistics of single (item index, intervention) pairs, without the rest of either's product.
+    # A batch's forward, in parts: the guarded precision's pair recheck (cel_utils.evaluation.guarded.pair_stats) runs
+    # the rows of one batch otherwise stacked, with these same parts.
 
-        The guarded precision (:mod:`cel_utils.evaluation.guarded`) rechecks scattered pairs: per batch of items that
-        holds one, a clean pass keeps the states below each starting layer (as :meth:`continuation_stats` does), then
-        the pairs run stacked as rows, each with its own item's tokens, kept state and head mask. Nothing is stored:
-        the stacking differs from the full product's, so the numbers agree with it to float rounding, not to the bit.
-        """
-        n_layers = self.lm.geometry.n_layers
-        model, geometry = self.lm.model, self.lm.geometry
-        out: list = [None] * len(pairs)
-        batch_of = {item: b for b, batch in enumerate(self.batches) for item in batch}
-        by_batch: dict[int, list[int]] = {}
-        for p, (item, _) in enumerate(pairs):
-            by_batch.setdefault(batch_of[item], []).append(p)
-        start = {p: min(h.layer for h in heads) if heads else n_layers for p, (_, heads) in enumerate(pairs)}
-        prefix_pass = clean_prefix(self.lm, self.prefix) if self.prefix else None  # once per call, for every head set
-        clean_states = [prefix_pass.kv] if self.prefix else None
-        for b, members in sorted(by_batch.items()):
-            batch = self.batches[b]
-            rows = [self.rows[i] for i in batch]
-            where = {item: r for r, item in enumerate(batch)}
-            wanted = sorted({start[p] - 1 for p in members if 0 < start[p] < n_layers})
-            ids, positions, attn = self._inputs(rows)
-            with attention_with_mask(model, attn), capture_layer_outputs(model, wanted) as kept:
-                clean = base_model(model)(input_ids=ids, position_ids=positions, attention_mask=attn,
-                                          **self._prefix_kwargs(clean_states, len(batch))).last_hidden_state
-            stack = max(1, self.token_budget // ids.shape[1])
-            if self.prefix:
-                stack = max(1, min(stack, PREFIX_CACHE_BYTES // self._prefix_bytes()))
-            for layer in sorted({start[p] for p in members}):
-                # One head set's rows side by side: a chunk computes the shared prefix once per head set it holds
-                # (prefix_states), and scattered pairs of the same set would recompute it in every chunk.
-                group = sorted((p for p in members if start[p] == layer), key=lambda p: pairs[p][1])
-                for s in range(0, len(group), stack):
-                    chunk = group[s:s + stack]
-                    index = torch.tensor([where[pairs[p][0]] for p in chunk], device=ids.device)
-                    if layer == n_layers:
-                        hidden = clean[index]
-                    else:
-                        row_masks = torch.stack([head_mask(pairs[p][1], geometry) for p in chunk])
-                        states = (prefix_states(self.lm, self.prefix, None, row_masks, len(chunk), clean=prefix_pass)
-                                  if self.prefix else None)
-                        chunk_attn = _rows_of(attn, index)
-                        with attention_with_mask(model, chunk_attn), ablated_rows(model, row_masks, geometry), \
-                                start_at_layer(model, layer, kept[layer - 1][index] if layer > 0 else None):
-                            hidden = base_model(model)(
-                                input_ids=ids[index], attention_mask=chunk_attn,
-                                position_ids=None if positions is None else positions[index],
-                                **self._prefix_kwargs(states, 1)).last_hidden_state
-                    found: list = [None] * len(chunk)
-                    self._collect(found, list(range(len(chunk))), [self.rows[pairs[p][0]] for p in chunk], hidden)
-                    for p, stats in zip(chunk, found):
-                        out[p] = stats
-            del kept
-        return out
-
-    def _prefix_bytes(self) -> int:
+    def prefix_bytes(self) -> int:
         """Memory of one row's copy of the prefix's keys and values."""
         geometry = self.lm.geometry
         return 2 * geometry.n_layers * geometry.n_kv_heads * geometry.head_dim * len(self.prefix) * self.lm.dtype.itemsize
 
-    def _prefix_kwargs(self, states, repeats: int, lm: LoadedModel | None = None) -> dict:
+    def prefix_kwargs(self, states, repeats: int, lm: LoadedModel | None = None) -> dict:
         """What a forward over the rows after the prefix needs: the prefix's keys and values, one per head set."""
         return {"cache": prefix_cache(lm or self.lm, states, repeats), "use_cache": True} if states else {}
 
@@ -287,14 +232,15 @@ class EngineEvaluator(Evaluator):
             for r, stats in zip(batch, stored[labels[index]]):
                 per[index][r] = stats
 
-    def _inputs(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def batch_inputs(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The rows' token ids, position ids (None: the model's own) and additive attention mask."""
         ids, positions, attn = row_inputs(rows, self.lm.tokenizer.pad_token_id, self.lm.dtype, self.lm.device,
                                           attention_windows(self.lm.model))
         if self.prefix:  # the rows continue after the shared prefix (prefixed rows are never packed)
             positions = (torch.arange(ids.shape[1], device=ids.device) + len(self.prefix)).expand(len(rows), -1)
         return ids, positions, attn
 
-    def _collect(self, out: list, batch: list[int], rows: list[Row], hidden: torch.Tensor) -> None:
+    def collect_stats(self, out: list, batch: list[int], rows: list[Row], hidden: torch.Tensor) -> None:
         """Unembed only the scored positions of the batch (one matmul) and turn them into statistics."""
         model, device = self.lm.model, hidden.device
         if self.shortcut:
@@ -351,7 +297,7 @@ class EngineEvaluator(Evaluator):
 
         n = len(self.requests)
         row_masks = torch.cat([head_mask(heads, self.lm.geometry).expand(n, -1, -1) for heads in chunk])
-        result = generate(self.fast_lm or self.lm, self.requests * len(chunk), row_masks=row_masks,
+        result = generate(self.above, self.requests * len(chunk), row_masks=row_masks,
                           batch_size=self.decoding_rows(), max_new_tokens=self.max_new_tokens,
                           token_budget=4 * self.token_budget, gaps=gaps)
         flat = list(zip(*result)) if gaps else result
@@ -381,14 +327,6 @@ class EngineEvaluator(Evaluator):
                 outcomes.append(self.decide(stored[label]))
         progress.close()
         return outcomes
-
-
-def _rows_of(mask, index: torch.Tensor):
-    """The rows ``index`` of an additive mask, or of each mask of a dict of them (one per layer type: Gemma 3's
-    sliding and full layers)."""
-    if isinstance(mask, dict):
-        return {kind: part[index] for kind, part in mask.items()}
-    return None if mask is None else mask[index]
 
 
 def _in_dtype(mask, dtype: torch.dtype):

@@ -138,7 +138,7 @@ def generate(lm: LoadedModel, requests: list[GenRequest], heads: Iterable[HeadId
             prefix = tuple(contexts[0][:n_prefix])
             if prefix not in clean:
                 clean[prefix] = clean_prefix(lm, prefix)
-            states = prefix_states(lm, prefix, heads, masks, len(batch), clean=clean[prefix])
+            states = prefix_states(lm, prefix, heads, masks, len(batch), clean[prefix])
         cache = _decoding_cache(lm, len(batch), width + max_new_tokens, states)
         step_gaps = [[] for _ in batch] if gaps else None
         answers = _greedy(lm, ids[:, n_prefix:], mask, cache, heads, masks, max_new_tokens=max_new_tokens,

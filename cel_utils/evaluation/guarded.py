@@ -1,11 +1,12 @@
 """bfloat16 at float32's word: compute in bf16, recompute in fp32 exactly the decisions bf16 could have got wrong.
 
 A decision can only flip where its margin is smaller than the rounding error. The guarded precision evaluates every
-(item, intervention) pair in a *fast pass* and recomputes in fp32 (:meth:`EngineEvaluator.pair_stats`) the pairs whose
-fast *decision margin* lies inside a guard band that bounds the fast pass's error on that margin. The fast pass
-(:class:`~cel_utils.evaluation.engine.EngineEvaluator` with ``fast_lm``) computes in bf16 only what costs: the clean
-pass, the residual states kept below each ablated layer and the unembedding are fp32's, and the stacked ablated layers
-run on a bf16 copy of the model (:func:`bf16_model`) from those states. So the full model's decisions are fp32's own,
+(item, intervention) pair in a *fast pass* and recomputes in fp32 (:func:`pair_stats`) the pairs whose fast *decision
+margin* lies inside a guard band that bounds the fast pass's error on that margin. The fast pass
+(:class:`~cel_utils.evaluation.engine.EngineEvaluator` with ``above``, the engine's one seam for another precision)
+computes in bf16 only what costs: the clean pass, the residual states kept below each ablated layer and the unembedding
+are fp32's, and the stacked ablated layers run on a bf16 copy of the model
+(:func:`~cel_utils.evaluation.precision.bf16_model`) from those states. So the full model's decisions are fp32's own,
 never rechecked, and the error is that of the ablated layers alone: on the default model (32 BoolQ items x 30 heads,
 24 HellaSwag items x 40 heads) the largest margin error fell from 0.27 to 0.19 (BoolQ) and 0.025 to 0.015 (HellaSwag)
 against a whole-model bf16 copy, and the share of pairs inside a 2x band from 23% to 20% and 44% to 30%. The margins
@@ -36,57 +37,28 @@ otherwise than the full product) are not stored. Generation (MBPP) is guarded by
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
-import weakref
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
 
+from cel_utils.evaluation.engine import PREFIX_CACHE_BYTES, EngineEvaluator
 from cel_utils.evaluation.evaluator import Intervention
 from cel_utils.evaluation.guard import AUDIT_PAIRS, AUDIT_SHARE, SAFETY_MULTIPLE, Guard, Pair  # noqa: F401 (re-exported)
 from cel_utils.evaluation.guarded_generation import guarded_completions
+from cel_utils.evaluation.prefix import clean_prefix, prefix_states
+from cel_utils.models.ablation import ablated_rows, head_mask
 from cel_utils.models.heads import HeadId, format_heads
-from cel_utils.models.loading import LoadedModel
+from cel_utils.models.plumbing import attention_with_mask, base_model, capture_layer_outputs, start_at_layer
 from cel_utils.tasks.scoring import ContinuationStats, Outcome
-
-
-def resolve_precision(precision: str, device: torch.device | str) -> str:
-    """``auto``: ``guarded`` where ``device`` computes bf16 natively (a CUDA GPU, a CPU with bf16 units), else
-    ``fp32``; any other choice as given. Per task, :func:`cel_utils.pipeline.protocol.run_precision` narrows ``auto``
-    further (guarded only where it was measured faster than fp32)."""
-    from cel_utils.config import PRECISIONS
-
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}: choose from {', '.join(PRECISIONS)}")
-    if precision != "auto":
-        return precision
-    from cel_utils.hardware import native_bf16
-
-    return "guarded" if native_bf16(device) else "fp32"
-
-
-_BF16_COPIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def bf16_model(lm: LoadedModel) -> LoadedModel:
-    """A bfloat16 copy of ``lm``'s model (made once per model, kept while the model lives); ``lm`` if it is bf16."""
-    if lm.dtype == torch.bfloat16:
-        return lm
-    copied = _BF16_COPIES.get(lm.model)
-    if copied is None:
-        copied = copy.deepcopy(lm.model).to(torch.bfloat16)
-        _BF16_COPIES[lm.model] = copied
-    return dataclasses.replace(lm, model=copied)
 
 
 class GuardedEvaluator:
     """An evaluator whose decisions are fp32's, computed mostly in bf16 (see the module docstring).
 
     ``exact`` is an :class:`~cel_utils.evaluation.engine.EngineEvaluator` on the fp32 model, ``fast`` its fast pass (the
-    same on the fp32 model with ``fast_lm=bf16_model(lm)``; any evaluator of the same items will do, e.g. one on the bf16
-    copy alone); attributes it does not define (``requests``, ``task``, ``lm``...) are ``exact``'s."""
+    same on the fp32 model with ``above=bf16_model(lm)``; any engine evaluator of the same items will do, e.g. one on
+    the bf16 copy alone); attributes it does not define (``requests``, ``task``, ``lm``...) are ``exact``'s."""
 
     def __init__(self, exact, fast, guard: Guard):
         if exact.kind.name != fast.kind.name:
@@ -122,7 +94,7 @@ class GuardedEvaluator:
         exact: dict[Pair, ContinuationStats] = {}
 
         def recheck(pairs: list[Pair]) -> list[float]:
-            for (u, i), value in zip(pairs, self.exact.pair_stats([(i, unique[u]) for u, i in pairs])):
+            for (u, i), value in zip(pairs, pair_stats(self.exact, [(i, unique[u]) for u, i in pairs])):
                 exact[u, i] = value
             return [rule.margin_error(task, requests[i], stats[u][i], exact[u, i]) for u, i in pairs]
 
@@ -130,8 +102,9 @@ class GuardedEvaluator:
             u, i = pair
             return rule.decision(task, requests[i], stats[u][i]) != rule.decision(task, requests[i], exact[u, i])
 
-        # The fast pass's full model is fp32's own clean pass: exact, neither audited nor rechecked.
-        own = getattr(self.fast, "fast_lm", None) is not None and self.fast.lm is self.exact.lm
+        # A fast pass on fp32's model (its bf16 copy runs only above the ablated layers) computes the full model in
+        # fp32's own clean pass: exact, neither audited nor rechecked.
+        own = self.fast.lm is self.exact.lm
         differing = self.guard.check(margins, recheck, differs, [u for u, heads in enumerate(unique) if own and not heads])
         if differing:
             u, i = differing[0]
@@ -141,3 +114,70 @@ class GuardedEvaluator:
             return self.exact.evaluate(unique, desc)
         merged = [[exact.get((u, i), stats[u][i]) for i in range(n)] for u in range(len(unique))]
         return [self.exact.decide(per) for per in merged]
+
+
+@torch.no_grad()
+def pair_stats(engine: EngineEvaluator, pairs: Sequence[tuple[int, Intervention]]) -> list[ContinuationStats]:
+    """The statistics of single (item index, intervention) pairs, without the rest of either's product.
+
+    The guarded precision's recheck, on ``engine`` (fp32's): per batch of the engine's that holds a pair, a clean pass
+    keeps the states below each starting layer (as :meth:`EngineEvaluator.continuation_stats` does), then the pairs run
+    stacked as rows, each with its own item's tokens, kept state and head mask. Nothing is stored: the stacking differs
+    from the full product's, so the numbers agree with it to float rounding, not to the bit.
+    """
+    lm = engine.lm
+    model, geometry, n_layers = lm.model, lm.geometry, lm.geometry.n_layers
+    out: list = [None] * len(pairs)
+    batch_of = {item: b for b, batch in enumerate(engine.batches) for item in batch}
+    by_batch: dict[int, list[int]] = {}
+    for p, (item, _) in enumerate(pairs):
+        by_batch.setdefault(batch_of[item], []).append(p)
+    start = {p: min(h.layer for h in heads) if heads else n_layers for p, (_, heads) in enumerate(pairs)}
+    prefix_pass = clean_prefix(lm, engine.prefix) if engine.prefix else None  # once per call, for every head set
+    clean_states = [prefix_pass.kv] if engine.prefix else None
+    for b, members in sorted(by_batch.items()):
+        batch = engine.batches[b]
+        rows = [engine.rows[i] for i in batch]
+        where = {item: r for r, item in enumerate(batch)}
+        wanted = sorted({start[p] - 1 for p in members if 0 < start[p] < n_layers})
+        ids, positions, attn = engine.batch_inputs(rows)
+        with attention_with_mask(model, attn), capture_layer_outputs(model, wanted) as kept:
+            clean = base_model(model)(input_ids=ids, position_ids=positions, attention_mask=attn,
+                                      **engine.prefix_kwargs(clean_states, len(batch))).last_hidden_state
+        stack = max(1, engine.token_budget // ids.shape[1])
+        if engine.prefix:
+            stack = max(1, min(stack, PREFIX_CACHE_BYTES // engine.prefix_bytes()))
+        for layer in sorted({start[p] for p in members}):
+            # One head set's rows side by side: a chunk computes the shared prefix once per head set it holds
+            # (prefix_states), and scattered pairs of the same set would recompute it in every chunk.
+            group = sorted((p for p in members if start[p] == layer), key=lambda p: pairs[p][1])
+            for s in range(0, len(group), stack):
+                chunk = group[s:s + stack]
+                index = torch.tensor([where[pairs[p][0]] for p in chunk], device=ids.device)
+                if layer == n_layers:
+                    hidden = clean[index]
+                else:
+                    row_masks = torch.stack([head_mask(pairs[p][1], geometry) for p in chunk])
+                    states = (prefix_states(lm, engine.prefix, None, row_masks, len(chunk), prefix_pass)
+                              if engine.prefix else None)
+                    chunk_attn = _rows_of(attn, index)
+                    with attention_with_mask(model, chunk_attn), ablated_rows(model, row_masks, geometry), \
+                            start_at_layer(model, layer, kept[layer - 1][index] if layer > 0 else None):
+                        hidden = base_model(model)(
+                            input_ids=ids[index], attention_mask=chunk_attn,
+                            position_ids=None if positions is None else positions[index],
+                            **engine.prefix_kwargs(states, 1)).last_hidden_state
+                found: list = [None] * len(chunk)
+                engine.collect_stats(found, list(range(len(chunk))), [engine.rows[pairs[p][0]] for p in chunk], hidden)
+                for p, stats in zip(chunk, found):
+                    out[p] = stats
+        del kept
+    return out
+
+
+def _rows_of(mask, index: torch.Tensor):
+    """The rows ``index`` of an additive mask, or of each mask of a dict of them (one per layer type: Gemma 3's
+    sliding and full layers)."""
+    if isinstance(mask, dict):
+        return {kind: part[index] for kind, part in mask.items()}
+    return None if mask is None else mask[index]

@@ -13,7 +13,7 @@ rechecks what it takes in), and an audited row outside the band that decodes to 
 run fall back to fp32.
 
 The rows are decoded in bf16 whole: the log-likelihood fast pass's fp32 clean pass below the ablated layers
-(:class:`~cel_utils.evaluation.engine.EngineEvaluator` with ``fast_lm``) has no counterpart in decoding, where each row
+(:class:`~cel_utils.evaluation.engine.EngineEvaluator` with ``above``) has no counterpart in decoding, where each row
 carries its own head mask through every step, so the full model's rows are bf16's too, audited and rechecked like
 the rest.
 
@@ -110,8 +110,8 @@ def guarded_completions(exact: EngineEvaluator, fast: EngineEvaluator, guard: Gu
     """Per intervention, the completion of every request, as fp32 decodes them (see the module docstring).
 
     ``exact`` is an engine evaluator on the fp32 model; ``fast`` one of the same generation task and items that decodes
-    with the bf16 copy (its ``fast_lm``, or its ``lm`` if it has none, as the engine decodes), stacked as ``fast``
-    stacks; ``guard`` holds the run's evidence and counts what was decided how."""
+    with the bf16 copy (its ``above`` model, which is its ``lm`` unless given, as the engine decodes), stacked as
+    ``fast`` stacks; ``guard`` holds the run's evidence and counts what was decided how."""
     if exact.kind.loglikelihood or exact.kind.name != fast.kind.name:
         raise ValueError("guarded completions need two evaluators of the same generation task")
     interventions = list(interventions)

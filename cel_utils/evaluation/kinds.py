@@ -87,7 +87,7 @@ class TaskKind:
     # True: deciding may run model-written code (MBPP's pass@1, in cel_utils.sandbox), so a run records the layers the
     # sandbox has where it runs.
     runs_code: bool = False
-    # True: precision auto computes this kind guarded where bf16 is native (cel_utils.pipeline.protocol.run_precision):
+    # True: precision auto computes this kind guarded where bf16 is native (cel_utils.evaluation.precision):
     # guarded was measured faster than fp32 for multiple choice only (book/speed.md).
     auto_guarded: bool = False
     # One item's decision from its statistics, as the guarded precision reads it; None where the store keeps

@@ -61,14 +61,15 @@ def clean_prefix(lm: LoadedModel, prefix: Sequence[int]) -> CleanPrefix:
 
 
 def prefix_states(lm: LoadedModel, prefix: Sequence[int], heads, masks: torch.Tensor | None, n_rows: int,
-                  fast_lm: LoadedModel | None = None, clean: CleanPrefix | None = None):
+                  clean: CleanPrefix):
     """Keys and values of ``prefix`` for every row: ``states[row][layer] = (keys, values)``.
 
     Computed once per distinct head set, and only from that set's lowest ablated layer on: below it the
-    prefix's keys and values are the full model's, so one clean pass (``clean``, computed here if not given)
-    provides them and the residual stream that the ablated pass starts from (the engine's below-layer reuse, see
-    :mod:`cel_utils.evaluation.engine`). With ``fast_lm`` (the guarded precision's bfloat16 copy) the clean pass
-    is ``lm``'s and the ablated passes ``fast_lm``'s, and every state comes in ``fast_lm``'s dtype.
+    prefix's keys and values are the full model's, so the clean pass (``clean``, made once per call by
+    :func:`clean_prefix`) provides them and the residual stream that the ablated pass starts from (the engine's
+    below-layer reuse, see :mod:`cel_utils.evaluation.engine`). ``lm`` runs the ablated passes: the model itself, or
+    the guarded precision's bfloat16 copy above a float32 clean pass (the engine's ``above``), and every state comes in
+    ``lm``'s dtype.
     """
     if masks is None:
         sets, index = head_mask(heads, lm.geometry)[None], torch.zeros(n_rows, dtype=torch.long)
@@ -78,15 +79,13 @@ def prefix_states(lm: LoadedModel, prefix: Sequence[int], heads, masks: torch.Te
     n_layers = lm.geometry.n_layers
     first = [int(s.any(dim=1).nonzero()[0, 0]) if s.any() else n_layers for s in sets]
     ids = torch.tensor([list(prefix)], device=lm.device)
-    clean = clean or clean_prefix(lm, prefix)
-    fast = fast_lm or lm
-    per_set = [[tuple(t.to(fast.dtype) for t in clean.kv[layer]) for layer in range(n_layers)] for _ in first]
+    per_set = [[tuple(t.to(lm.dtype) for t in clean.kv[layer]) for layer in range(n_layers)] for _ in first]
     for start in sorted(set(first) - {n_layers}):
         group = [u for u, f in enumerate(first) if f == start]
-        cache = DynamicCache(config=fast.model.config)
-        state = clean.kept[start - 1].to(fast.dtype).expand(len(group), -1, -1) if start else None
-        with ablated_rows(fast.model, sets[group].to(lm.device), lm.geometry), start_at_layer(fast.model, start, state):
-            base_model(fast.model)(input_ids=ids.expand(len(group), -1), cache=cache, use_cache=True)
+        cache = DynamicCache(config=lm.model.config)
+        state = clean.kept[start - 1].to(lm.dtype).expand(len(group), -1, -1) if start else None
+        with ablated_rows(lm.model, sets[group].to(lm.device), lm.geometry), start_at_layer(lm.model, start, state):
+            base_model(lm.model)(input_ids=ids.expand(len(group), -1), cache=cache, use_cache=True)
         for row, u in enumerate(group):
             per_set[u][start:] = [(cache.layers[layer].keys[row], cache.layers[layer].values[row])
                                   for layer in range(start, n_layers)]

@@ -11,10 +11,12 @@ import torch
 
 from cel_utils.config import RunConfig
 from cel_utils.evaluation.evaluator import Evaluator, NaiveEvaluator
-from cel_utils.evaluation.guarded import Guard, GuardedEvaluator, bf16_model, resolve_precision
+from cel_utils.evaluation.guard import Guard
+from cel_utils.evaluation.guarded import GuardedEvaluator
 from cel_utils.evaluation.means import HeadMeans, discovery_means
 from cel_utils.evaluation.kinds import kind_of
 from cel_utils.evaluation.outcomes import OutcomeTable
+from cel_utils.evaluation.precision import bf16_model, resolve_precision
 from cel_utils.evaluation.store import EvalStore
 from cel_utils.models.heads import HeadGeometry, format_heads
 from cel_utils.models.loading import LoadedModel, load_model, resolve_device
@@ -94,7 +96,7 @@ def make_evaluator(lm: LoadedModel, data: TaskData, items, config: RunConfig, pr
     if precision == "bf16":
         return build(bf16_model(lm))
     if precision == "guarded":  # its fast pass: fp32's clean pass and unembedding, bf16's ablated layers
-        return GuardedEvaluator(build(lm), build(lm, fast_lm=bf16_model(lm)), guard or Guard(seed=config.seed))
+        return GuardedEvaluator(build(lm), build(lm, above=bf16_model(lm)), guard or Guard(seed=config.seed))
     return build(lm)
 
 

@@ -1,0 +1,59 @@
+"""What the evaluations compute in: the precision settings, what ``auto`` means, the bfloat16 copy they compute with.
+
+``fp32`` computes with the model as loaded (float32 unless its dtype says otherwise); ``bf16`` with a bfloat16 copy
+(:func:`bf16_model`; approximate: rounding flips ~1% of decisions); ``guarded`` in bf16 with fp32's decisions
+(:mod:`cel_utils.evaluation.guarded`, which reaches the engine through one seam: its ``above`` model). What ``auto``
+means is decided here (:func:`resolve_precision`, from the device, the task's kind and the engine): a run reads it
+through :func:`cel_utils.pipeline.protocol.run_precision` for its evaluators, its model's dtype and its artifact.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+from cel_utils.models.loading import LoadedModel
+
+if TYPE_CHECKING:
+    from cel_utils.evaluation.kinds import TaskKind
+
+
+def resolve_precision(precision: str, device: torch.device | str, kind: TaskKind | None = None,
+                      engine: str = "fast") -> str:
+    """``precision`` as it resolves on ``device``, for a task of ``kind`` evaluated by ``engine``.
+
+    ``auto`` is ``guarded`` where ``device`` computes bf16 natively (a CUDA GPU, a CPU with bf16 units), with the fast
+    engine (the guard rechecks single pairs with it), for a kind where guarded was measured faster than fp32
+    (``TaskKind.auto_guarded``: multiple choice, stage 1 of the default model on 2 threads: BoolQ 1.31x, HellaSwag
+    1.22x; book/speed.md); else ``fp32``. Guarded took arithmetic_1dc (short items after a 3-shot prefix, where bf16
+    itself gained 1.33x) 2.0x fp32's time, and MBPP's decoding guard rechecked every row
+    (:mod:`cel_utils.evaluation.guarded_generation`). ``kind`` None: what the device allows, whatever the task. Any
+    other setting resolves to itself."""
+    from cel_utils.config import PRECISIONS
+
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}: choose from {', '.join(PRECISIONS)}")
+    if precision != "auto":
+        return precision
+    if engine != "fast" or (kind is not None and not kind.auto_guarded):
+        return "fp32"
+    from cel_utils.hardware import native_bf16
+
+    return "guarded" if native_bf16(device) else "fp32"
+
+
+_BF16_COPIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def bf16_model(lm: LoadedModel) -> LoadedModel:
+    """A bfloat16 copy of ``lm``'s model (made once per model, kept while the model lives); ``lm`` if it is bf16."""
+    if lm.dtype == torch.bfloat16:
+        return lm
+    copied = _BF16_COPIES.get(lm.model)
+    if copied is None:
+        copied = copy.deepcopy(lm.model).to(torch.bfloat16)
+        _BF16_COPIES[lm.model] = copied
+    return dataclasses.replace(lm, model=copied)
