@@ -31,16 +31,16 @@ RECORDED = {
     # issue 42: mean-ablation (the hook adds offsets only inside replaced_by_means, with store fields of its own;
     # zero-ablation computes the same bits: the reference artifacts are unchanged)
     # issue 43, refactors that change no number (the reference artifacts are unchanged): prefix_states is given the
-    # prefix's clean pass always
-    "naive-1": "733e7d9898fc967150f2a9991fdf28ee1eff8603200e341a4525ffd28e2344e5",
+    # prefix's clean pass always; every keyword setting is recorded for sibling() (one evaluator interface)
+    "naive-1": "7a4bd016f24e41af751246487fd1c4ce9ad0b355e2878181ae094f9786fdf7df",
     # engine-2 (issue 28: packed answers see a sliding window), with issue 27's pair recheck and fast pass (fp32
     # unchanged), the few-shot prefix's clean pass once per call (fp32, fast pass and rechecks bit-identical to
     # before), issue 42's mean-ablation as for naive-1, and pair_stats taking Gemma 3's per-layer-type masks (the
     # guarded recheck raised there before, so nothing was ever stored from it)
     # issue 43: the model above the intervention as one seam (``above``, was ``fast_lm``), the guarded pair recheck
-    # moved to cel_utils.evaluation.guarded (it stores nothing) (fp32, the fast pass and the rechecks bit-identical to
-    # before)
-    "engine-2": "03dfe52fe3869104497c406b725c819cff4226b4791a9742a4069b89f480b26c",
+    # moved to cel_utils.evaluation.guarded (it stores nothing); settings recorded as for naive-1 (fp32, the fast pass
+    # and the rechecks bit-identical to before)
+    "engine-2": "772a5dbfdc54e6bcf464ad71fcca7a9e9ea3e89526c81c74dc6c4db4ceb8c61d",
 }
 WHERE = {NaiveEvaluator: "store_kind in cel_utils/evaluation/evaluator.py",
          EngineEvaluator: "ENGINE_VERSION in cel_utils/evaluation/engine.py"}

@@ -82,6 +82,7 @@ class EngineEvaluator(Evaluator):
         # layer up, and decodes. ``lm`` itself, or the guarded precision's fast pass's bfloat16 copy
         # (cel_utils.evaluation.guarded), below which the clean pass, the kept states and the unembedding stay ``lm``'s.
         self.above = above or self.lm
+        self.settings.update(token_budget=token_budget, above=above)  # what sibling() carries besides the base's
         self.token_budget = token_budget or default_token_budget(self.lm.device)
         self.budget_halvings: list[int] = []  # the token budgets an out-of-memory error made it fall back to
         if self.kind.loglikelihood:

@@ -1,20 +1,22 @@
 """Evaluators: score many interventions (head sets) on one fixed list of items.
 
 An evaluator is built once per (model, task, items, prompt format) -- tokenization happens there -- and
-then answers ``evaluate([heads, heads, ...]) -> [Outcome, ...]``. The search, the holdout evaluation and
-the statistics only ever talk to this interface, so the fast engine (:mod:`cel_utils.evaluation.engine`) and the naive
-reference path are interchangeable and can be checked against each other.
+then answers ``evaluate([heads, heads, ...]) -> [Outcome, ...]``. The search, the holdout evaluation, the screens and
+the statistics only ever talk to one interface, :class:`EvaluatorProtocol`, so the fast engine
+(:mod:`cel_utils.evaluation.engine`) and the naive reference path are interchangeable and can be checked against each
+other, and the evaluators built on them (a memo of outcomes, its view on resampled items, the guarded precision) are
+evaluators too.
 
 With a ``store`` (:class:`cel_utils.evaluation.store.EvalStore`) every finished evaluation is kept on disk as it
 finishes and read back instead of recomputed, so a killed run resumes where it stopped.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from cel_utils.evaluation.kinds import kind_of
+from cel_utils.evaluation.kinds import TaskKind, kind_of
 from cel_utils.evaluation.means import HeadMeans
 from cel_utils.models.ablation import replaced_by_means
 from cel_utils.progress import progress_bar
@@ -27,6 +29,50 @@ from cel_utils.tasks.scoring import Outcome, loglikelihoods_naive
 from cel_utils.tasks.specs import Item, TaskSpec
 
 Intervention = tuple[HeadId, ...]
+
+
+@runtime_checkable
+class EvaluatorProtocol(Protocol):
+    """What the search, the screens, the statistics and the pipeline use of an evaluator, and all they may use.
+
+    Implemented by the plain evaluators (:class:`Evaluator`: :class:`NaiveEvaluator` and the engine), the memo in front
+    of one (:class:`~cel_utils.evaluation.outcomes.OutcomeTable`), its view on resampled items
+    (:class:`~cel_utils.evaluation.outcomes.Resampled`) and the guarded precision's evaluator
+    (:class:`~cel_utils.evaluation.guarded.GuardedEvaluator`), each declaring every member: none forwards the attributes
+    it does not name, so what a wrapper lacks fails where it is asked for, never answered by the wrong evaluator.
+    """
+
+    @property
+    def lm(self) -> LoadedModel:
+        """The model whose heads the interventions name (the float32 one under the guarded precision)."""
+
+    @property
+    def task(self) -> TaskSpec: ...
+
+    @property
+    def kind(self) -> TaskKind: ...
+
+    @property
+    def items(self) -> list[Item]:
+        """The items evaluated: an outcome's vectors are in their order."""
+
+    @property
+    def requests(self) -> list:
+        """One request per item: its tokenized prompt (and answers)."""
+
+    @property
+    def n_tokens(self) -> int:
+        """Prompt (and answer) tokens per pass over the items (a cost unit for reports)."""
+
+    def evaluate(self, interventions: Iterable[Iterable[HeadId]], desc: str | None = None) -> list[Outcome]: ...
+
+    def evaluate_one(self, heads: Iterable[HeadId] = ()) -> Outcome: ...
+
+    def sibling(self, items: Sequence[Item] | None = None, *, lm: LoadedModel | None = None,
+                with_store: bool = True) -> Evaluator:
+        """A new plain evaluator deciding as this one does, with every setting it was built with, on ``items``
+        (default: its own, in order, repeats included) or on another copy of the model (``lm``, e.g. a bfloat16 one);
+        ``with_store=False``: without the store. The one way to make an evaluator like another (the screens do)."""
 
 
 class Evaluator:
@@ -43,6 +89,10 @@ class Evaluator:
                  exec_timeout_s: float = TIMEOUT_S, exec_memory_mb: int = MEMORY_MB,
                  progress: bool | str = True, store: EvalStore | None = None, means: HeadMeans | None = None):
         self.lm, self.task, self.items = lm, task, list(items)
+        # Every keyword setting as given: what sibling() passes on, so that no setting is dropped there.
+        self.settings = dict(fmt=fmt, bos=bos, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                             exec_timeout_s=exec_timeout_s, exec_memory_mb=exec_memory_mb, progress=progress,
+                             store=store, means=means)
         # Mean-ablation (cel_utils.evaluation.means): every intervention replaces its heads by these means, not zero.
         self.means = means
         self.fmt, self.batch_size, self.max_new_tokens = fmt, batch_size, max_new_tokens
@@ -95,6 +145,12 @@ class Evaluator:
 
     def evaluate_one(self, heads: Iterable[HeadId] = ()) -> Outcome:
         return self.evaluate([heads])[0]
+
+    def sibling(self, items: Sequence[Item] | None = None, *, lm: LoadedModel | None = None,
+                with_store: bool = True) -> Evaluator:
+        """This evaluator's class and :attr:`settings` on ``items`` or ``lm`` (see :class:`EvaluatorProtocol`)."""
+        settings = self.settings if with_store else {**self.settings, "store": None}
+        return type(self)(lm or self.lm, self.task, self.items if items is None else items, self.fewshot, **settings)
 
     # The store -------------------------------------------------------------------------------------------
 

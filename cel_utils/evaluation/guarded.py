@@ -43,14 +43,17 @@ import numpy as np
 import torch
 
 from cel_utils.evaluation.engine import PREFIX_CACHE_BYTES, EngineEvaluator
-from cel_utils.evaluation.evaluator import Intervention
+from cel_utils.evaluation.evaluator import Evaluator, Intervention
 from cel_utils.evaluation.guard import AUDIT_PAIRS, AUDIT_SHARE, SAFETY_MULTIPLE, Guard, Pair  # noqa: F401 (re-exported)
 from cel_utils.evaluation.guarded_generation import guarded_completions
+from cel_utils.evaluation.kinds import TaskKind
 from cel_utils.evaluation.prefix import clean_prefix, prefix_states
 from cel_utils.models.ablation import ablated_rows, head_mask
 from cel_utils.models.heads import HeadId, format_heads
+from cel_utils.models.loading import LoadedModel
 from cel_utils.models.plumbing import attention_with_mask, base_model, capture_layer_outputs, start_at_layer
 from cel_utils.tasks.scoring import ContinuationStats, Outcome
+from cel_utils.tasks.specs import Item, TaskSpec
 
 
 class GuardedEvaluator:
@@ -58,17 +61,47 @@ class GuardedEvaluator:
 
     ``exact`` is an :class:`~cel_utils.evaluation.engine.EngineEvaluator` on the fp32 model, ``fast`` its fast pass (the
     same on the fp32 model with ``above=bf16_model(lm)``; any engine evaluator of the same items will do, e.g. one on
-    the bf16 copy alone); attributes it does not define (``requests``, ``task``, ``lm``...) are ``exact``'s."""
+    the bf16 copy alone). What it evaluates (``lm``, ``task``, ``items``, ``requests``...) is ``exact``'s."""
 
-    def __init__(self, exact, fast, guard: Guard):
+    def __init__(self, exact: EngineEvaluator, fast: EngineEvaluator, guard: Guard):
         if exact.kind.name != fast.kind.name:
             raise ValueError("the guarded evaluator's two evaluators must score the same task")
         self.exact, self.fast, self.guard = exact, fast, guard
 
-    def __getattr__(self, name: str):
-        if name in ("exact", "fast", "guard"):  # not yet set: do not recurse
-            raise AttributeError(name)
-        return getattr(self.exact, name)
+    @property
+    def lm(self) -> LoadedModel:
+        return self.exact.lm
+
+    @property
+    def task(self) -> TaskSpec:
+        return self.exact.task
+
+    @property
+    def kind(self) -> TaskKind:
+        return self.exact.kind
+
+    @property
+    def items(self) -> list[Item]:
+        return self.exact.items
+
+    @property
+    def requests(self) -> list:
+        return self.exact.requests
+
+    @property
+    def n_tokens(self) -> int:
+        return self.exact.n_tokens
+
+    @property
+    def budget_halvings(self) -> list[int]:
+        """The fp32 engine's (a run's info reports them)."""
+        return self.exact.budget_halvings
+
+    def sibling(self, items: Sequence[Item] | None = None, *, lm: LoadedModel | None = None,
+                with_store: bool = True) -> Evaluator:
+        """fp32's engine on ``items`` or ``lm``: the decisions a guarded evaluator gives, computed exactly and outside
+        this run's audit (the screens compute on it)."""
+        return self.exact.sibling(items, lm=lm, with_store=with_store)
 
     def evaluate(self, interventions: Iterable[Iterable[HeadId]], desc: str | None = None) -> list[Outcome]:
         interventions = self.exact._canonical(interventions)

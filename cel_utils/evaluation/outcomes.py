@@ -4,9 +4,10 @@ An intervention's per-item correctness on a fixed list of items is deterministic
 from item subsets -- bootstrap resamples of the discovery set, other search strategies, the random-set null
 -- can index vectors already computed instead of running the model again. :class:`OutcomeTable` wraps an
 evaluator, answers from memory what it has seen, and sends only the missing interventions to the evaluator,
-all in one batched ``evaluate`` call (the engine stacks them). It is itself an evaluator (same ``lm`` and
-``evaluate``), so :func:`cel_utils.search.run_search` can run on it unchanged, and :class:`Resampled` is a
-view of a table on a subset (with repeats) of its items, on which ``run_search`` runs unchanged too.
+all in one batched ``evaluate`` call (the engine stacks them). It is itself an evaluator
+(:class:`~cel_utils.evaluation.evaluator.EvaluatorProtocol`), so :func:`cel_utils.search.run_search` can run on it
+unchanged, and :class:`Resampled` is a view of a table on a subset (with repeats) of its items, an evaluator on which
+``run_search`` runs unchanged too.
 """
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from cel_utils.evaluation.evaluator import Evaluator, Intervention
+from cel_utils.evaluation.evaluator import Evaluator, EvaluatorProtocol, Intervention
+from cel_utils.evaluation.kinds import TaskKind
 from cel_utils.models.heads import HeadId, head_set
+from cel_utils.models.loading import LoadedModel
 from cel_utils.tasks.scoring import Outcome
+from cel_utils.tasks.specs import Item, TaskSpec
 
 
 def take(outcome: Outcome, indices: Sequence[int] | np.ndarray) -> Outcome:
@@ -32,11 +36,11 @@ class OutcomeTable:
     """A memo of ``intervention -> Outcome`` in front of an evaluator.
 
     ``requested`` holds every distinct intervention asked for (served from memory or not), ``evaluated`` the
-    ones the wrapped evaluator actually ran, in order; both are cost accounts. Attributes the table does not
-    define (``items``, ``requests``, ``task``...) are the wrapped evaluator's.
+    ones the wrapped evaluator actually ran, in order; both are cost accounts. What it evaluates (``lm``, ``task``,
+    ``items``, ``requests``...) is the wrapped evaluator's.
     """
 
-    def __init__(self, evaluator: Evaluator, known: dict[Intervention, Outcome] | None = None):
+    def __init__(self, evaluator: EvaluatorProtocol, known: dict[Intervention, Outcome] | None = None):
         self.evaluator = evaluator
         self.outcomes: dict[Intervention, Outcome] = {}
         self.evaluated: list[Intervention] = []
@@ -45,10 +49,34 @@ class OutcomeTable:
         for heads, outcome in (known or {}).items():
             self.add(heads, outcome)
 
-    def __getattr__(self, name: str):
-        if name == "evaluator":  # not yet set (e.g. while unpickling): do not recurse
-            raise AttributeError(name)
-        return getattr(self.evaluator, name)
+    @property
+    def lm(self) -> LoadedModel:
+        return self.evaluator.lm
+
+    @property
+    def task(self) -> TaskSpec:
+        return self.evaluator.task
+
+    @property
+    def kind(self) -> TaskKind:
+        return self.evaluator.kind
+
+    @property
+    def items(self) -> list[Item]:
+        return self.evaluator.items
+
+    @property
+    def requests(self) -> list:
+        return self.evaluator.requests
+
+    @property
+    def n_tokens(self) -> int:
+        return self.evaluator.n_tokens
+
+    def sibling(self, items: Sequence[Item] | None = None, *, lm: LoadedModel | None = None,
+                with_store: bool = True) -> Evaluator:
+        """The wrapped evaluator's sibling: a plain evaluator (a table keeps the outcomes of its own items only)."""
+        return self.evaluator.sibling(items, lm=lm, with_store=with_store)
 
     def __contains__(self, heads: Iterable[HeadId]) -> bool:
         return head_set(heads) in self.outcomes
@@ -95,8 +123,36 @@ class Resampled:
         self.table, self.indices = table, np.asarray(indices, dtype=int)
 
     @property
-    def lm(self):
+    def lm(self) -> LoadedModel:
         return self.table.lm
+
+    @property
+    def task(self) -> TaskSpec:
+        return self.table.task
+
+    @property
+    def kind(self) -> TaskKind:
+        return self.table.kind
+
+    @property
+    def items(self) -> list[Item]:
+        return [self.table.items[i] for i in self.indices]
+
+    @property
+    def requests(self) -> list:
+        return [self.table.requests[i] for i in self.indices]
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(r.n_tokens for r in self.requests)
 
     def evaluate(self, interventions: Iterable[Iterable[HeadId]], desc: str | None = None) -> list[Outcome]:
         return [take(outcome, self.indices) for outcome in self.table.evaluate(interventions, desc=desc)]
+
+    def evaluate_one(self, heads: Iterable[HeadId] = ()) -> Outcome:
+        return self.evaluate([heads])[0]
+
+    def sibling(self, items: Sequence[Item] | None = None, *, lm: LoadedModel | None = None,
+                with_store: bool = True) -> Evaluator:
+        """A plain evaluator of the resampled items (repeats included), or of ``items``, with the table's settings."""
+        return self.table.sibling(self.items if items is None else items, lm=lm, with_store=with_store)

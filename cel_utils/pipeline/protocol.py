@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from cel_utils.config import RunConfig
-from cel_utils.evaluation.evaluator import Evaluator, NaiveEvaluator
+from cel_utils.evaluation.evaluator import Evaluator, EvaluatorProtocol, NaiveEvaluator
 from cel_utils.evaluation.guard import Guard
 from cel_utils.evaluation.guarded import GuardedEvaluator
 from cel_utils.evaluation.means import HeadMeans, discovery_means
@@ -70,7 +70,7 @@ def load_for(config: RunConfig) -> LoadedModel:
 
 def make_evaluator(lm: LoadedModel, data: TaskData, items, config: RunConfig, progress: bool | str = True,
                    store: EvalStore | None = None, guard: Guard | None = None, means: HeadMeans | None = None
-                   ) -> Evaluator:
+                   ) -> EvaluatorProtocol:
     """An evaluator of ``items`` as ``config`` says; with ``config.cache`` it reads and writes ``store``
     (default: the store under $CEL_CACHE_DIR). Under the guarded precision, ``guard`` holds the run's evidence about
     bf16's error (shared by the run's evaluators; default: a fresh one). With ``means`` it mean-ablates

@@ -56,7 +56,7 @@ def compare_strategies(config: StrategiesConfig, *, lm=None, progress: bool = Tr
     else:
         skipped = ""
         start = time.perf_counter()
-        attribution = head_attributions(discovery.evaluator)
+        attribution = head_attributions(discovery.sibling())  # on a plain evaluator (fp32's, if guarded), as screens do
         timings["attribution_s"] = time.perf_counter() - start
         results.append(attribution_pool(discovery, attribution.estimate, config.p, config.k, candidates,
                                         attribution.forward_equivalents))

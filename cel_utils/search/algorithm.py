@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from cel_utils.checks import check_int
-from cel_utils.evaluation.evaluator import Evaluator, Intervention
+from cel_utils.evaluation.evaluator import EvaluatorProtocol, Intervention
 from cel_utils.models.heads import HeadId, format_heads, head_set
 from cel_utils.search.ranking import Score, pool_subsets, rank, rank_singles, score
 from cel_utils.search.screening import Screen
@@ -52,7 +52,7 @@ def check_search_params(p: int, k: int, n_heads: int) -> None:
         raise ValueError(f"pool size p={p} is larger than the model's {n_heads} heads: use p <= {n_heads}")
 
 
-def run_search(discovery: Evaluator, p: int = 10, k: int = 3, candidates: list[HeadId] | None = None,
+def run_search(discovery: EvaluatorProtocol, p: int = 10, k: int = 3, candidates: list[HeadId] | None = None,
                screen: Screen | None = None, keep: int | None = None) -> SearchResult:
     """Algorithm 1 on a discovery evaluator. ``candidates`` restricts stage 1 (default: every head).
 
@@ -120,7 +120,7 @@ class HoldoutResult:
                 "full_metrics": self.full.metric_means(), "ablated_metrics": self.ablated.metric_means()}
 
 
-def evaluate_holdout(holdout: Evaluator, heads: Intervention) -> HoldoutResult:
+def evaluate_holdout(holdout: EvaluatorProtocol, heads: Intervention) -> HoldoutResult:
     """One run of the full model and one of the frozen set on the holdout items."""
     full, ablated = holdout.evaluate([(), heads], desc="holdout: full + frozen")
     return HoldoutResult(heads=head_set(heads), full=full, ablated=ablated, score=score(head_set(heads), ablated, full))

@@ -32,10 +32,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from cel_utils.models.heads import HeadId
+
+if TYPE_CHECKING:  # not at run time: cel_utils.config imports this module, and the evaluators import torch
+    from cel_utils.evaluation.evaluator import EvaluatorProtocol
 
 SCREENS = ("attribution", "attribution-flips", "boundary", "bf16")
 DECISION_SCREENS = ("attribution-flips", "boundary")  # they count decisions by their margins: not for generation
@@ -110,44 +114,46 @@ def _estimated_flips(per_item: np.ndarray, margins: np.ndarray) -> np.ndarray:
     return ((margins[:, None] <= 0) & (after > 0)).sum(axis=0) - ((margins[:, None] > 0) & (after <= 0)).sum(axis=0)
 
 
-def run_screen(method: str, discovery, *, candidates: int = 80, items: int = 16) -> Screen:
-    """Screen every head of the discovery evaluator's model on all its items (``discovery``: an Evaluator or an
-    OutcomeTable wrapping one; the bf16 screen builds a bfloat16 copy of the model for its own evaluator).
+def run_screen(method: str, discovery: EvaluatorProtocol, *, candidates: int = 80, items: int = 16) -> Screen:
+    """Screen every head of the discovery evaluator's model on all its items. ``discovery``: any evaluator (e.g. the
+    run's OutcomeTable); each screen computes on its siblings (:meth:`EvaluatorProtocol.sibling`: its settings, plain,
+    fp32's under the guarded precision, so exact decisions), the bf16 screen on a bfloat16 copy of the model.
     ``candidates`` and ``items`` are the boundary screen's."""
     if method not in SCREENS:
         raise ValueError(f"unknown screen {method!r}: choose from {', '.join(SCREENS)}")
-    evaluator = getattr(discovery, "evaluator", discovery)
-    evaluator = getattr(evaluator, "exact", evaluator)  # a guarded evaluator screens on its fp32 one (exact decisions)
-    heads = evaluator.lm.geometry.all_heads()
+    heads = discovery.lm.geometry.all_heads()
     start = time.perf_counter()
     if method == "bf16":
-        screen = _bf16_screen(evaluator, heads)
+        screen = _bf16_screen(discovery, heads)
     else:
-        screen = _attribution_screen("attribution" if method == "attribution" else "attribution-flips", evaluator, heads)
+        attribution = "attribution" if method == "attribution" else "attribution-flips"
+        screen = _attribution_screen(attribution, discovery, heads)
         if method == "boundary":
-            screen = _boundary_screen(screen, evaluator, candidates, items)
+            screen = _boundary_screen(screen, discovery, candidates, items)
     screen.seconds = time.perf_counter() - start
     return screen
 
 
-def _attribution_screen(method: str, evaluator, heads: list[HeadId]) -> Screen:
+def _attribution_screen(method: str, discovery: EvaluatorProtocol, heads: list[HeadId]) -> Screen:
     from cel_utils.search.attribution import head_attributions
 
-    if method == "attribution-flips" and not evaluator.kind.loglikelihood:
-        raise ValueError(f"the attribution-flips and boundary screens count decisions; {evaluator.task.name} is decided "
-                         "by running code: use the attribution screen (it attributes the reference's likelihood)")
-    attribution = head_attributions(evaluator)
+    if method == "attribution-flips" and not discovery.kind.loglikelihood:
+        raise ValueError(f"the attribution-flips and boundary screens count decisions; {discovery.task.name} is "
+                         "decided by running code: use the attribution screen (it attributes the reference's "
+                         "likelihood)")
+    # on a plain evaluator: attribution reads its prompt settings (for MBPP's reference solutions) and its model
+    attribution = head_attributions(discovery.sibling())
     return Screen(method, heads, attribution.per_item.reshape(len(attribution.per_item), -1), attribution.full_margins,
                   attribution.forward_equivalents)
 
 
-def _boundary_screen(flips: Screen, evaluator, candidates: int, items: int) -> Screen:
+def _boundary_screen(flips: Screen, discovery: EvaluatorProtocol, candidates: int, items: int) -> Screen:
     """The top ``candidates`` of ``flips``, evaluated exactly on the ``items`` items with the smallest |margin|."""
     order = flips.order()
     chosen = order[:candidates]
     # rounded, so that float noise in the margins cannot reorder two items the same distance from the boundary
     near = np.sort(np.argsort(np.round(np.abs(flips.full_margins), 6), kind="stable")[:items])
-    sub = _same_evaluator(evaluator, items=[evaluator.items[i] for i in near])
+    sub = discovery.sibling([discovery.items[i] for i in near])
     gains, cost = _single_head_gains(sub, chosen, f"boundary screen: {len(chosen)} heads x {len(near)} items")
     index = {h: j for j, h in enumerate(flips.heads)}
     columns = [index[h] for h in chosen]
@@ -161,7 +167,7 @@ def _boundary_screen(flips: Screen, evaluator, candidates: int, items: int) -> S
                   evaluated=evaluated, prior_rank=prior, boundary=near)
 
 
-def _bf16_screen(evaluator, heads: list[HeadId]) -> Screen:
+def _bf16_screen(discovery: EvaluatorProtocol, heads: list[HeadId]) -> Screen:
     import copy
     import warnings
 
@@ -169,15 +175,15 @@ def _bf16_screen(evaluator, heads: list[HeadId]) -> Screen:
 
     from cel_utils.hardware import bf16_time_ratio, cpu_info, native_bf16
 
-    device = evaluator.lm.device
+    device = discovery.lm.device
     ratio = bf16_time_ratio(str(device))  # measured here: the screen's cost in float32 forwards follows from it
     if not native_bf16(device):
         where = cpu_info()["model"] if device.type == "cpu" else str(device)
         warnings.warn(f"the bf16 screen runs on {where}, which has no bf16 units: a bf16 matmul took {ratio:.1f}x "
                       "float32's time here, so this screen costs more than exact float32 stage 1; the attribution and "
                       "boundary screens are the cheap ones on this machine", stacklevel=3)
-    lm = dataclasses.replace(evaluator.lm, model=copy.deepcopy(evaluator.lm.model).to(torch.bfloat16))
-    per_item, cost = _single_head_gains(_same_evaluator(evaluator, lm=lm, store=None), heads,
+    lm = dataclasses.replace(discovery.lm, model=copy.deepcopy(discovery.lm.model).to(torch.bfloat16))
+    per_item, cost = _single_head_gains(discovery.sibling(lm=lm, with_store=False), heads,
                                         f"bf16 screen: {len(heads)} heads")
     return Screen("bf16", heads, per_item, None, cost * ratio)
 
@@ -191,12 +197,3 @@ def _single_head_gains(evaluator, heads: list[HeadId], desc: str) -> tuple[np.nd
     n_layers = evaluator.lm.geometry.n_layers
     return gains, len(full) * (1 + sum(n_layers - h.layer for h in heads) / n_layers)
 
-
-def _same_evaluator(evaluator, *, lm=None, items=None, store="same"):
-    """An evaluator like ``evaluator`` (settings, kind) on another model copy or item list."""
-    return type(evaluator)(lm or evaluator.lm, evaluator.task, evaluator.items if items is None else items,
-                           evaluator.fewshot, fmt=evaluator.fmt, bos="always" if evaluator.bos else "never",
-                           batch_size=evaluator.batch_size, max_new_tokens=evaluator.max_new_tokens,
-                           exec_timeout_s=evaluator.exec_timeout_s, exec_memory_mb=evaluator.exec_memory_mb,
-                           progress=evaluator.progress, store=evaluator.store if store == "same" else store,
-                           means=evaluator.means)

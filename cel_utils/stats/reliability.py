@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 from cel_utils.config import RESAMPLE_METHODS
-from cel_utils.evaluation.evaluator import Evaluator, Intervention
+from cel_utils.evaluation.evaluator import EvaluatorProtocol, Intervention
 from cel_utils.evaluation.outcomes import OutcomeTable, Resampled, take
 from cel_utils.models.heads import format_heads, head_set
 from cel_utils.search.algorithm import HoldoutResult, SearchResult, run_search
@@ -115,7 +115,7 @@ def resampled_searches(discovery: OutcomeTable, p: int, k: int, indices: list[np
                        keep=keep) for idx in indices]
 
 
-def _holdout_subset(evaluator: Evaluator, holdout: HoldoutResult, frozen, indices: np.ndarray) -> OutcomeTable:
+def _holdout_subset(evaluator: EvaluatorProtocol, holdout: HoldoutResult, frozen, indices: np.ndarray) -> OutcomeTable:
     """A table over the holdout items at ``indices`` (``evaluator`` evaluates exactly those, in that order) that already
     knows the full model's and the frozen set's outcomes there (sliced from the holdout's, no evaluation)."""
     ids = [item.id for item in evaluator.items]
@@ -142,7 +142,7 @@ def margin_change(holdout: HoldoutResult, unit: str | None, seed: int = 0) -> di
     return {"unit": unit, **paired_mean_change(holdout.full.margin, holdout.ablated.margin, seed=[seed, MARGIN_STREAM])}
 
 
-def _margin_unit(evaluator: Evaluator) -> str | None:
+def _margin_unit(evaluator: EvaluatorProtocol) -> str | None:
     """What the evaluator's margins measure (its task kind says), None for an evaluator without a task."""
     from cel_utils.evaluation.kinds import kind_of
 
@@ -150,10 +150,11 @@ def _margin_unit(evaluator: Evaluator) -> str | None:
     return None if task is None else kind_of(task).margin_unit(task)
 
 
-def assess_run(search: SearchResult, holdout: HoldoutResult, discovery: OutcomeTable | Evaluator,
-               holdout_evaluator: Evaluator, *, n_random_sets: int, n_resamples: int, resample: str = "bootstrap",
-               seed: int = 0, calibration: dict | None = None, null_evaluator: Evaluator | None = None,
-               null_indices: np.ndarray | None = None, floors: dict | None = None) -> dict:
+def assess_run(search: SearchResult, holdout: HoldoutResult, discovery: OutcomeTable | EvaluatorProtocol,
+               holdout_evaluator: EvaluatorProtocol, *, n_random_sets: int, n_resamples: int,
+               resample: str = "bootstrap", seed: int = 0, calibration: dict | None = None,
+               null_evaluator: EvaluatorProtocol | None = None, null_indices: np.ndarray | None = None,
+               floors: dict | None = None) -> dict:
     """Significance, winner's curse, random-set null and stability of one run, as the artifact stores them.
 
     ``calibration`` is the run's calibration baseline (:func:`cel_utils.stats.calibration.calibration_baseline`), stored
