@@ -143,13 +143,24 @@ def test_scoring_n_items_equals_a_direct_evaluation_and_the_run_pages_test(hella
            f"{10 * max(map(golds.count, range(4))):.1f}%" in html
 
 
+def _run_artifact(config: dict, *, frozen: list[str], pool: list[str], stage2: list[list[str]], discovery_ids: list[str],
+                  holdout_ids: list[str]) -> dict:
+    """A run's artifact (the schema's, from tests/test_report.py) with the sets and items the explorer reads."""
+    from test_report import make_artifact
+
+    run = make_artifact(task=config["task"])
+    run["config"] = config
+    score = run["stage2"][0]
+    run["frozen"]["heads"], run["pool"], run["stage2"] = frozen, pool, [dict(score, heads=heads) for heads in stage2]
+    run["discovery"]["item_ids"], run["holdout"]["item_ids"] = discovery_ids, holdout_ids
+    return run
+
+
 def test_a_runs_sets_load_from_its_artifact(hellaswag, tmp_path):
     from cel_utils.pipeline.artifacts import write_json
 
-    run = {"schema_version": 1, "kind": "cel-run", "config": {**SETTINGS, "task": "hellaswag"},
-           "frozen": {"heads": ["L1.H3", "L0.H2"]}, "pool": ["L0.H2", "L1.H3", "L2.H0"],
-           "stage2": [{"heads": ["L0.H2", "L1.H3"]}, {"heads": ["L2.H0"]}],
-           "discovery": {"item_ids": []}, "holdout": {"item_ids": []}}
+    run = _run_artifact({**SETTINGS, "task": "hellaswag"}, frozen=["L1.H3", "L0.H2"], pool=["L0.H2", "L1.H3", "L2.H0"],
+                        stage2=[["L0.H2", "L1.H3"], ["L2.H0"]], discovery_ids=[], holdout_ids=[])
     path = write_json(tmp_path / "run.json", run)
     hellaswag.artifact.value = str(path)
     hellaswag.read_run.click()
@@ -232,9 +243,8 @@ def test_an_artifact_of_other_items_is_refused(lm, data_dir, tmp_path):
     config = {**SETTINGS, "task": "boolq", "data_dir": data_dir}
     session = ExploreSession(RunConfig.from_dict(config), lm)
     ids = {split: [item.id for item in session.items(split)] for split in ("discovery", "holdout")}
-    run = {"schema_version": 1, "kind": "cel-run", "config": config, "frozen": {"heads": ["L0.H0"]},
-           "pool": ["L0.H0"], "stage2": [], "discovery": {"item_ids": ids["discovery"]},
-           "holdout": {"item_ids": ids["holdout"]}}
+    run = _run_artifact(config, frozen=["L0.H0"], pool=["L0.H0"], stage2=[], discovery_ids=ids["discovery"],
+                        holdout_ids=ids["holdout"])
     assert ExploreSession.from_artifact(write_json(tmp_path / "same.json", run), lm).data.holdout == session.data.holdout
     run["holdout"]["item_ids"] = ids["holdout"][::-1]
     with pytest.raises(ValueError, match="the run's holdout items are not the ones these settings draw"):

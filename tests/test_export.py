@@ -9,7 +9,7 @@ from cel_utils.models.heads import HeadId
 from cel_utils.models.loading import LoadedModel
 from cel_utils.models.plumbing import head_geometry
 from cel_utils.models.random_models import FAMILIES
-from cel_utils.pipeline.artifacts import SCHEMA_VERSION, write_json
+from cel_utils.pipeline.artifacts import write_json
 from cel_utils.pipeline.export import (
     export_ablated,
     hooked_logits,
@@ -73,13 +73,18 @@ def test_folder_contents_and_model_card(tiny_models, tmp_path):
 
 
 def _artifact_for(lm, heads) -> dict:
-    return {"schema_version": SCHEMA_VERSION, "kind": "cel-run", "created": "now",
-            "config": {"model": lm.spec, "task": "arithmetic_2da", "seed": 0, "p": 3, "k": 2},
-            "model": {"name": lm.name, "fingerprint": lm.fingerprint, "dtype": "float32"},
-            "task": {"name": "arithmetic_2da", "metric": "acc"}, "data": {"n_discovery": 6},
-            "frozen": {"heads": [str(h) for h in heads]},
-            "holdout": {"n_items": 8, "full_accuracy": 0.5, "ablated_accuracy": 0.625, "gain_points": 12.5},
-            "reliability": {"significance": {"ci_low": -12.5, "ci_high": 37.5, "p_value": 1.0}}}
+    """A run's artifact (the schema's, from tests/test_report.py) naming ``lm`` and freezing ``heads``."""
+    from test_report import make_artifact, reliability
+
+    art = make_artifact(model=lm.name, task="arithmetic_2da", full=0.5, ablated=0.625, n_items=8)
+    art["config"].update(model=lm.spec, p=3, k=2)
+    art["model"].update(name=lm.name, fingerprint=lm.fingerprint, dtype="float32")
+    art["data"]["n_discovery"] = 6
+    art["frozen"]["heads"] = [str(h) for h in heads]
+    art["reliability"] = reliability(significance={
+        "n_items": 8, "help": 2, "harm": 1, "gain_points": 12.5, "ci_low": -12.5, "ci_high": 37.5, "confidence": 0.95,
+        "n_resamples": 0, "p_value": 1.0, "test": "exact McNemar", "interval": "exact (few changed answers)"})
+    return art
 
 
 def test_cli_exports_the_frozen_set_of_an_artifact(tiny_models, tmp_path, capsys):

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from cel_utils.config import RunConfig
+from cel_utils.pipeline.schema import SCHEMA_VERSION
 from cel_utils.pipeline.protocol import run_cel
 from cel_utils.stats.significance import EXACT_BELOW, exact_gain_interval
 
@@ -89,6 +90,9 @@ def test_artifacts_are_unchanged_by_refactors(task, tiny_models, data_dir, tmp_p
     new["reliability"]["significance"] = exact_below_ten(new["reliability"]["significance"],
                                                          old["reliability"]["significance"])
     assert list(new) == list(old)
+    # issue 43: the typed schema's version, the one value that changed with it (the migration reads version 1)
+    assert (new["schema_version"], old["schema_version"]) == (SCHEMA_VERSION, 1)
+    new["schema_version"] = old["schema_version"]
     for section, key in CHANGED:
         assert new[section][key] != old[section][key], f"{section}.{key} was meant to change: {CHANGED[section, key]}"
         new[section] = {**new[section], key: old[section][key]}

@@ -12,14 +12,17 @@ import yaml
 from cel_utils.book import paper_comparison, results_page, run_page, strategies_page, text
 from cel_utils.book.build import BookPaths, toc_dict
 from cel_utils.book.titles import run_title
-from cel_utils.pipeline.artifacts import SCHEMA_VERSION, load_artifacts, write_json
+from cel_utils.pipeline import schema
+from cel_utils.pipeline.artifacts import load_artifacts, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def make_artifact(model="tiny-model", task="arithmetic_2da", seed=0, full=0.5, ablated=0.75, n_items=8,
                   data=None) -> dict:
-    """A minimal artifact with the fields aggregation and the run tables read, numbers chosen by hand."""
+    """A small artifact, numbers chosen by hand, in the oldest form pages still read (version 1, before per-item
+    outcomes, floors, the control or the run info: its timings inline), brought to today's form by the schema's
+    migration as every artifact read from disk is."""
     stage1 = [
         {"heads": ["L1.H2"], "accuracy": 0.75, "gain_points": 25.0, "n_correct": 3, "harm": 0, "help": 1},
         {"heads": ["L0.H0"], "accuracy": 0.5, "gain_points": 0.0, "n_correct": 2, "harm": 1, "help": 1},
@@ -30,11 +33,12 @@ def make_artifact(model="tiny-model", task="arithmetic_2da", seed=0, full=0.5, a
     ]
     stage2 = [{"heads": ["L0.H0", "L1.H2"], "accuracy": 1.0, "gain_points": 50.0, "n_correct": 4, "harm": 0, "help": 2},
               stage1[0], stage1[1]]
-    return {
-        "schema_version": SCHEMA_VERSION, "kind": "cel-run",
+    return schema.from_json({
+        "schema_version": 1, "kind": "cel-run",
         "config": {"model": model, "task": task, "seed": seed, "p": 2, "k": 2, "fmt": "plain", "engine": "naive",
                    "n_discovery": 4, "n_holdout": n_items},
-        "model": {"name": model, "source": {"kind": "random"}, "dtype": "float32", "device": "cpu", "fingerprint": "f",
+        "model": {"spec": f"random:{model}", "name": model, "source": {"kind": "random"}, "dtype": "float32",
+                  "device": "cpu", "fingerprint": "f", "model_type": "llama",
                   "geometry": {"n_layers": 2, "n_heads": 3, "n_kv_heads": 1, "head_dim": 4}},
         "task": {"name": task, "kind": "greedy", "metric": "acc", "metrics": ["acc"]},
         "data": data or {"source": "mirror", "n_discovery": 4, "n_holdout": n_items, "num_fewshot": 0},
@@ -45,8 +49,21 @@ def make_artifact(model="tiny-model", task="arithmetic_2da", seed=0, full=0.5, a
                     "relative_error_reduction": 100 * (ablated - full) / (1 - full) if full < 1 else float("nan"),
                     "harm": 0, "help": 2, "n_items": n_items, "full_metrics": {"acc": full},
                     "ablated_metrics": {"acc": ablated}},
-        "n_interventions_evaluated": 8, "timings": {"search_s": 1.0, "holdout_s": 0.5},
-    }
+        "discovery": {"item_ids": ["d0", "d1", "d2", "d3"], "full_accuracy": 0.5, "full_correct": [1, 1, 0, 0],
+                      "full_metrics": {"acc": 0.5}},
+        "n_interventions_evaluated": 8, "timings": {"search_s": 1.0, "holdout_s": 0.5}, "versions": {},
+    }, "make_artifact")
+
+
+def reliability(**parts) -> dict:
+    """A reliability section with the given parts, the others absent (None), as the schema has it."""
+    return {**dict.fromkeys(schema.Reliability.__required_keys__), **parts}
+
+
+def floors(**parts) -> dict:
+    """A floors section with the given parts, the others absent."""
+    return {"n_items": 8, "chance": None, "best_constant": None, "labels": None, "labels_shared": True,
+            "gold_shares": None, **parts}
 
 
 def test_cell_text_from_a_hand_made_artifact(tmp_path):
@@ -353,7 +370,7 @@ def test_a_table_row_wider_than_its_header_is_an_error():
 
 def _answered(task: str, full: list[int], ablated: list[int], labels: list[str], model: str = "tiny-model") -> dict:
     art = make_artifact(model=model, task=task, full=0.5, ablated=0.5, n_items=len(full))
-    art["floors"] = {"labels": labels, "chance": 1 / len(labels)}
+    art["floors"] = floors(labels=labels, chance=1 / len(labels), n_items=len(full))
     art["holdout"]["full_predictions"], art["holdout"]["ablated_predictions"] = full, ablated
     return art
 
@@ -390,7 +407,10 @@ def test_every_run_at_once_lists_the_runs_top_down_in_the_tables_order(tmp_path)
     from cel_utils.book.overview_figure import overview_figure
 
     with_null = make_artifact(task="boolq")
-    with_null["reliability"] = {"null": {"quantiles": {"min": -1.0, "max": 1.0}}}
+    with_null["reliability"] = reliability(null={"size": 2, "n_sets": 1, "sets": ["L0.H1+L1.H0"], "gains_points": [1.0],
+                                                 "selected_gain_points": 25.0, "percentile": 100.0, "p_value": 0.5, "n": 1,
+                                                 "quantiles": {"min": -1.0, "q25": 0.0, "median": 0.0, "q75": 0.0,
+                                                               "max": 1.0}})
     write_json(tmp_path / "a.json", make_artifact(task="arithmetic_2da"))  # no random sets: its row has no band
     write_json(tmp_path / "b.json", with_null)
     table = results_page.summarize(load_artifacts(tmp_path))

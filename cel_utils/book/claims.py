@@ -12,20 +12,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from cel_utils.pipeline.schema import RunArtifact, TransferArtifact
 from cel_utils.stats.multiplicity import Adjusted, adjust_family, noninferiority
 
 PRIMARY = "the primary verdicts"
 FIRST_LOOKS = Path(__file__).resolve().parents[2] / "data" / "first_looks.json"
 
 
-def run_key(artifact: dict) -> tuple[str, str, int]:
+def run_key(artifact: RunArtifact) -> tuple[str, str, int]:
     return artifact["model"]["name"], artifact["task"]["name"], int(artifact["config"]["seed"])
 
 
-def primary_family(artifacts: list[dict]) -> dict[tuple[str, str, int], Adjusted]:
+def primary_family(artifacts: list[RunArtifact]) -> dict[tuple[str, str, int], Adjusted]:
     """Each run's test adjusted among all the runs given (Holm; Bonferroni intervals). Runs without per-item outcomes
     (artifacts older than the paired test) are left out of the family and of the result."""
-    tested = [a for a in artifacts if "full_correct" in a["holdout"]]
+    tested = [a for a in artifacts if a["holdout"]["full_correct"] is not None]
     m = len(tested)
     name = f"{PRIMARY}, {m} run{'s' if m != 1 else ''}"
     adjusted = adjust_family(name, [(a["holdout"]["full_correct"], a["holdout"]["ablated_correct"],
@@ -33,7 +34,7 @@ def primary_family(artifacts: list[dict]) -> dict[tuple[str, str, int], Adjusted
     return {run_key(a): adj for a, adj in zip(tested, adjusted)}
 
 
-def transfer_family(transfer: dict) -> dict[tuple[str, str], dict]:
+def transfer_family(transfer: TransferArtifact) -> dict[tuple[str, str], dict]:
     """Per off-diagonal cell of one model's matrix: its :class:`Adjusted` (as JSON) among the matrix's off-diagonal
     cells, and its non-inferiority against the margin, one-sided at the family's level."""
     cells = [c for c in transfer["cells"] if not c["diagonal"]]
@@ -56,7 +57,7 @@ def first_looks(path: Path = FIRST_LOOKS) -> list[dict]:
     return json.loads(Path(path).read_text(encoding="utf-8"))["first_looks"]
 
 
-def second_look(artifact: dict, looks: list[dict] | None = None) -> dict | None:
+def second_look(artifact: RunArtifact, looks: list[dict] | None = None) -> dict | None:
     """The first look of this run, when its holdout had been scored before (None: a single look)."""
     model, task, seed = run_key(artifact)
     looks = first_looks() if looks is None else looks

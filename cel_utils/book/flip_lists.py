@@ -17,6 +17,7 @@ import pandas as pd
 
 from cel_utils.book.interactive import OfflineFigure, stage1_heatmap_figure
 from cel_utils.book.run_page import stage2_table
+from cel_utils.pipeline.schema import RunArtifact
 
 # Builds the list for one set. `root` is the output's container; its JSON holds {sets, items, n_items, teacher_forced}.
 SCRIPT = r"""
@@ -89,16 +90,16 @@ tr.cel-flips-clickable:hover, tr.cel-flips-clickable:focus { background: #eef4fa
 </style>"""
 
 
-def flips_payload(artifact: dict, sets: list[str]) -> dict | None:
+def flips_payload(artifact: RunArtifact, sets: list[str]) -> dict | None:
     """The part of ``discovery_flips`` that ``sets`` need (their flips and the items they flipped), or None when the
     artifact stores no flips."""
-    stored = artifact.get("discovery_flips")
+    stored = artifact["discovery_flips"]
     if not stored:
         return None
     chosen = {name: stored["sets"][name] for name in sets if name in stored["sets"]}
     used = sorted({i for flips in chosen.values() for direction in flips.values() for i in direction}, key=int)
     return {"sets": chosen, "items": {i: stored["items"][i] for i in used},
-            "n_items": artifact["data"].get("n_discovery") or len(artifact["discovery"]["item_ids"]),
+            "n_items": artifact["data"]["n_discovery"] or len(artifact["discovery"]["item_ids"]),
             "teacher_forced": any(item["answers"] is None for item in stored["items"].values())}
 
 
@@ -121,7 +122,7 @@ class ClickableFlips:
         return {"text/html": self.to_html(), "text/plain": f"<{self.hint}>"}
 
 
-def heatmap_with_flips(artifact: dict) -> ClickableFlips | OfflineFigure:
+def heatmap_with_flips(artifact: RunArtifact) -> ClickableFlips | OfflineFigure:
     """The stage-1 heat map; a click on a head lists the discovery items it flipped when ablated alone."""
     figure = stage1_heatmap_figure(artifact)
     payload = flips_payload(artifact, ["+".join(s["heads"]) for s in artifact["stage1"] if len(s["heads"]) == 1])
@@ -131,7 +132,7 @@ def heatmap_with_flips(artifact: dict) -> ClickableFlips | OfflineFigure:
                           "Click a head to list the discovery items it helped and harmed when ablated alone.")
 
 
-def stage2_with_flips(artifact: dict, top: int = 10) -> ClickableFlips | pd.DataFrame:
+def stage2_with_flips(artifact: RunArtifact, top: int = 10) -> ClickableFlips | pd.DataFrame:
     """:func:`cel_utils.book.run_page.stage2_table`; a click on a row lists the discovery items that set flipped."""
     table = stage2_table(artifact, top)
     payload = flips_payload(artifact, list(table["heads"]))

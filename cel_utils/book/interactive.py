@@ -12,6 +12,7 @@ import numpy as np
 
 from cel_utils.book.plots import stage1_gains
 from cel_utils.models.heads import parse_head
+from cel_utils.pipeline.schema import RunArtifact
 
 PLOTLY_CONFIG = {"displaylogo": False, "responsive": True}
 CLIP_QUANTILE = 0.05  # the heat map's most harmful 5% of heads share the darkest colour (their values stay in the hover)
@@ -76,7 +77,7 @@ def colour_limits(gains: np.ndarray, step: float, quantile: float = CLIP_QUANTIL
     return ColourLimits(low, high, int((finite < low).sum()))
 
 
-def _stage1_fields(artifact: dict) -> tuple[np.ndarray, np.ndarray]:
+def _stage1_fields(artifact: RunArtifact) -> tuple[np.ndarray, np.ndarray]:
     """Per head: (harm, help, accuracy in %) and a status text (pool rank, frozen, or not scored)."""
     geometry = artifact["model"]["geometry"]
     shape = (geometry["n_layers"], geometry["n_heads"])
@@ -96,7 +97,7 @@ def _stage1_fields(artifact: dict) -> tuple[np.ndarray, np.ndarray]:
     return numbers, status
 
 
-def stage1_heatmap_figure(artifact: dict, quantile: float = CLIP_QUANTILE) -> OfflineFigure:
+def stage1_heatmap_figure(artifact: RunArtifact, quantile: float = CLIP_QUANTILE) -> OfflineFigure:
     """Every head's discovery gain when ablated alone (layers x query heads), interactive.
 
     Hover: head id, discovery gain, harm, help, accuracy and the head's place in the search. Pool heads carry their
@@ -107,7 +108,7 @@ def stage1_heatmap_figure(artifact: dict, quantile: float = CLIP_QUANTILE) -> Of
 
     gains = stage1_gains(artifact)
     n_layers, n_heads = gains.shape
-    n_items = artifact["data"].get("n_discovery") or artifact["config"].get("n_discovery")
+    n_items = artifact["data"]["n_discovery"]
     limits = colour_limits(gains, 100.0 / n_items if n_items else 1.0, quantile)
     numbers, status = _stage1_fields(artifact)
     ids = np.array([[f"L{layer}.H{head}" for head in range(n_heads)] for layer in range(n_layers)], dtype=object)

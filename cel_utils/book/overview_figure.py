@@ -16,7 +16,9 @@ import math
 import pandas as pd
 
 from cel_utils.book.interactive import HARMFUL, HELPFUL, OfflineFigure
+from cel_utils.book.run_page import significance
 from cel_utils.config import TASK_FAMILIES, task_family
+from cel_utils.pipeline.schema import RunArtifact
 
 GREY, DARK = "#bdbdbd", "#424242"
 FIGURE_ID = "cel-all-runs"
@@ -26,7 +28,7 @@ def _row_label(run) -> str:
     return f"{run.model} · {run.task}" + (" (at floor)" if run.at_floor else "")
 
 
-def overview_figure(table: pd.DataFrame, artifacts: dict[str, dict], paper_rows: list[dict],
+def overview_figure(table: pd.DataFrame, artifacts: dict[str, RunArtifact], paper_rows: list[dict],
                     link_prefix: str = "runs/", small: bool = False) -> OfflineFigure:
     """``table``: :func:`cel_utils.book.results_page.summarize`'s rows; ``artifacts``: each run's artifact by its stem
     (for the discovery gain, the random sets and the baselines)."""
@@ -41,11 +43,11 @@ def overview_figure(table: pd.DataFrame, artifacts: dict[str, dict], paper_rows:
     figure.update_annotations(font={"size": 12})  # the subplot titles: each fits over its own panel at 700 px
 
     def series(name: str, xs: list, **style) -> None:
-        hover = [_hover(r, artifacts.get(r.stem, {})) for r in runs]
+        hover = [_hover(r, artifacts[r.stem]) for r in runs]
         figure.add_trace(go.Scatter(x=xs, y=labels, name=name, customdata=[[u, h] for u, h in zip(urls, hover)],
                                     hovertemplate="%{customdata[1]}<extra></extra>", **style), row=1, col=1)
 
-    rel = [artifacts.get(r.stem, {}).get("reliability") or {} for r in runs]
+    rel = [artifacts[r.stem]["reliability"] or {} for r in runs]
     nulls = [x.get("null") for x in rel]
     for r, null, label in zip(runs, nulls, labels):  # the random sets' range, one band per run
         if null:
@@ -62,7 +64,7 @@ def overview_figure(table: pd.DataFrame, artifacts: dict[str, dict], paper_rows:
            error_x={"type": "data", "symmetric": False, "thickness": 3, "width": 0,
                     "array": [a.get("ci_high", r.gain_points) - r.gain_points for r, a in zip(runs, adjusted)],
                     "arrayminus": [r.gain_points - a.get("ci_low", r.gain_points) for r, a in zip(runs, adjusted)]})
-    sig = [_significance(a) for a in artifacts_of(runs, artifacts)]
+    sig = [significance(artifacts[r.stem]) for r in runs]
     series("95% interval alone", [r.gain_points for r in runs], mode="markers", marker={"size": 1, "color": DARK},
            error_x={"type": "data", "symmetric": False, "thickness": 1.2, "width": 6, "color": DARK,
                     "array": [(s or {}).get("ci_high", r.gain_points) - r.gain_points for r, s in zip(runs, sig)],
@@ -108,17 +110,7 @@ def overview_figure(table: pd.DataFrame, artifacts: dict[str, dict], paper_rows:
     return OfflineFigure(figure, post_script=_CLICK.replace("ID", FIGURE_ID))
 
 
-def artifacts_of(runs: list, artifacts: dict[str, dict]) -> list[dict]:
-    return [artifacts.get(r.stem, {}) for r in runs]
-
-
-def _significance(artifact: dict) -> dict | None:
-    from cel_utils.book.run_page import significance
-
-    return significance(artifact) if artifact else None
-
-
-def _hover(run, artifact: dict) -> str:
+def _hover(run, artifact: RunArtifact) -> str:
     adjusted = run.family or {}
     lines = [f"<b>{run.model} on {run.task}</b>", f"full -> ablated {run.holdout} ({run.heads})",
              f"floor {run.floor_text}" + (": the full model is at its floor" if run.at_floor else ""),
@@ -128,7 +120,7 @@ def _hover(run, artifact: dict) -> str:
              f"verdict: {run.word}"]
     if run.control_gain is not None:
         lines.append(f"mean-ablated: {run.control_gain:+.1f} points")
-    curse = (artifact.get("reliability") or {}).get("winners_curse")
+    curse = (artifact["reliability"] or {}).get("winners_curse")
     if curse:
         lines.append(f"discovery gain {curse['discovery_gain_points']:+.1f} (winner's curse)")
     return "<br>".join(lines)

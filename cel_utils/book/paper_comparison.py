@@ -13,6 +13,7 @@ import pandas as pd
 
 from cel_utils.book.text import md_table
 from cel_utils.config import TASK_FAMILIES, RunConfig, task_family
+from cel_utils.pipeline.schema import RunArtifact, TransferArtifact
 from cel_utils.tasks.scoring import relative_error_reduction
 
 PAPER_MODELS = ("SmolLM3-3B", "Qwen2.5-3B-Instruct", "Llama-3.2-3B-Instruct")  # Table 1's column order
@@ -152,7 +153,7 @@ def _stage1(config: dict) -> str:
             else f"screened ({config.get('screen')}, m = {config.get('screen_keep')})")
 
 
-def hour_note(artifacts: list[dict], transfers: list[dict]) -> list[str]:
+def hour_note(artifacts: list[RunArtifact], transfers: list[TransferArtifact]) -> list[str]:
     """What the CPU runs left out, per task, against what ``--preset paper`` (a GPU) runs: generated from the
     artifacts' configurations and the paper preset's."""
     from cel_utils.tasks.catalog import get_task

@@ -5,9 +5,10 @@ import numpy as np
 
 from cel_utils.book.text import ordinal
 from cel_utils.models.heads import parse_head
+from cel_utils.pipeline.schema import RunArtifact
 
 
-def stage1_gains(artifact: dict) -> np.ndarray:
+def stage1_gains(artifact: RunArtifact) -> np.ndarray:
     """Discovery gain in points of every single head, as a [layers, heads] array (NaN where not scored)."""
     geometry = artifact["model"]["geometry"]
     gains = np.full((geometry["n_layers"], geometry["n_heads"]), np.nan)
@@ -18,11 +19,11 @@ def stage1_gains(artifact: dict) -> np.ndarray:
     return gains
 
 
-def _reliability(artifact: dict, key: str) -> dict | None:
-    return (artifact.get("reliability") or {}).get(key)
+def _reliability(artifact: RunArtifact, key: str) -> dict | None:
+    return (artifact["reliability"] or {}).get(key)
 
 
-def null_histogram(artifact: dict, ax=None):
+def null_histogram(artifact: RunArtifact, ax=None):
     """Holdout gains of random head sets of the frozen set's size, with the frozen set's gain marked."""
     import matplotlib.pyplot as plt
     import seaborn as sns
@@ -52,7 +53,7 @@ def null_histogram(artifact: dict, ax=None):
     return ax.figure
 
 
-def stability_figure(artifact: dict, top: int = 12):
+def stability_figure(artifact: RunArtifact, top: int = 12):
     """Left: how often each head is selected across resampled discovery sets (frozen heads in red).
     Right: the holdout gains of those selections, against the frozen set's and the random sets' gains."""
     import matplotlib.pyplot as plt

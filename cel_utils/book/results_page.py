@@ -22,6 +22,7 @@ from cel_utils.book.text import ci_text, md_table, p_text, pct, transition_text
 from cel_utils.config import BOOK_SEED, TASK_FAMILIES, task_family, task_sort_key
 from cel_utils.paths import atomic_write
 from cel_utils.pipeline.artifacts import load_artifacts
+from cel_utils.pipeline.schema import RunArtifact, TransferArtifact
 from cel_utils.pipeline.transfer import load_transfers
 from cel_utils.stats.power import ALPHA
 
@@ -29,7 +30,7 @@ PAPER_TITLE = "Can Capability Enhancement Be Localized to Specific Attention Hea
 TASK_ORDER = TASK_FAMILIES  # the book's task order
 
 
-def summarize(artifacts: list[dict], runs_dir: Path | None = None) -> pd.DataFrame:
+def summarize(artifacts: list[RunArtifact], runs_dir: Path | None = None) -> pd.DataFrame:
     """One row per artifact with every column the results page shows; every run's test is adjusted among all of them
     (:func:`cel_utils.book.claims.primary_family`)."""
     family = primary_family(artifacts)
@@ -41,7 +42,7 @@ def summarize(artifacts: list[dict], runs_dir: Path | None = None) -> pd.DataFra
         adjusted = family.get(run_key(art))
         rows.append({
             "task": art["task"]["name"], "model": art["model"]["name"], "seed": art["config"]["seed"],
-            "metric": art["task"]["metric"], "n_discovery": art["data"].get("n_discovery"), "n_holdout": h["n_items"],
+            "metric": art["task"]["metric"], "n_discovery": art["data"]["n_discovery"], "n_holdout": h["n_items"],
             "p": art["config"]["p"], "k": art["config"]["k"],
             "full": h["full_accuracy"], "ablated": h["ablated_accuracy"],
             "gain_points": 100 * (h["ablated_accuracy"] - h["full_accuracy"]),
@@ -60,7 +61,7 @@ def summarize(artifacts: list[dict], runs_dir: Path | None = None) -> pd.DataFra
     return table.iloc[order].reset_index(drop=True)
 
 
-def _reliability_columns(art: dict, family: dict | None = None) -> dict:
+def _reliability_columns(art: RunArtifact, family: dict | None = None) -> dict:
     """The verdict, floor and control cells of a run's row. ``ci_low``/``ci_high`` are the interval quoted against other
     numbers: the family-adjusted one when there is a family of more than one."""
     sig = significance(art)
@@ -68,7 +69,7 @@ def _reliability_columns(art: dict, family: dict | None = None) -> dict:
     floors = floor_rows(art)
     floor = max(floors, key=lambda r: r[1]) if floors else None
     wide = family is not None and family["m"] > 1
-    control = art.get("control")
+    control = art["control"]
     return {
         "verdict": verdict["text"] if verdict else "n/a", "kind": verdict["kind"] if verdict else "n/a",
         "word": verdict_word(verdict) if verdict else "n/a", "at_floor": bool(verdict and verdict.get("at_floor")),
@@ -133,9 +134,9 @@ def family_sentence(table: pd.DataFrame) -> str:
             "above its floor, and the verdict says so first.")
 
 
-def results_markdown(artifacts: list[dict], paper_rows: list[dict], runs_dir: Path | None = None,
+def results_markdown(artifacts: list[RunArtifact], paper_rows: list[dict], runs_dir: Path | None = None,
                      link_prefix: str = "runs/", source_note: str = "", strategies: list[dict] | None = None,
-                     transfers: list[dict] | None = None) -> str:
+                     transfers: list[TransferArtifact] | None = None) -> str:
     """The results page (MyST Markdown), read in five minutes: every run in one figure, one compact verdict table with
     what holds across the runs in a few sentences, the transfer matrices, and the paper's reference. Each run's long
     verdict, its checks (power, margin, calibration, random sets, stability), its control and its answer shares are on
@@ -193,7 +194,7 @@ BIAS_SHARE = 0.75  # a run's changed answers read as a response-bias shift when 
 BIAS_MIN_CHANGED = 10  # ... and at least this many answers changed (fewer say nothing about a direction)
 
 
-def bias_sentence(table: pd.DataFrame, artifacts: list[dict]) -> str:
+def bias_sentence(table: pd.DataFrame, artifacts: list[RunArtifact]) -> str:
     """Multiple choice: the runs whose changed answers mostly go one way (a shift of response bias, not a skill),
     from the stored predictions; the run pages give every run's answer shares."""
     from cel_utils.tasks.floors import changed_answers
@@ -201,11 +202,11 @@ def bias_sentence(table: pd.DataFrame, artifacts: list[dict]) -> str:
     by_stem, shifts, looked = {run_stem(a): a for a in artifacts}, [], 0
     for r in table.itertuples():
         art = by_stem[r.stem]
-        labels, h = (art.get("floors") or {}).get("labels"), art["holdout"]
-        if not labels or not h.get("full_predictions"):
+        labels, h = (art["floors"] or {}).get("labels"), art["holdout"]
+        if not labels or not h["full_predictions"]:
             continue
         looked += 1
-        moves = changed_answers(h["full_predictions"], h.get("ablated_predictions", []))
+        moves = changed_answers(h["full_predictions"], h["ablated_predictions"] or [])
         moved = sum(moves.values())
         if moved >= BIAS_MIN_CHANGED:
             (a, b), n = next(iter(moves.items()))
@@ -221,11 +222,11 @@ def bias_sentence(table: pd.DataFrame, artifacts: list[dict]) -> str:
             f"or more one way, of at least {BIAS_MIN_CHANGED} changed). Each run page shows its answer shares.")
 
 
-def checks_sentence(artifacts: list[dict]) -> str:
+def checks_sentence(artifacts: list[RunArtifact]) -> str:
     """The winner's curse and the random-set null across the runs, from the artifacts: how often the discovery gain
     exceeds the holdout gain, and what the random sets can show at their number."""
-    curses = [c for c in ((a.get("reliability") or {}).get("winners_curse") for a in artifacts) if c]
-    nulls = [n for n in ((a.get("reliability") or {}).get("null") for a in artifacts) if n]
+    curses = [c for c in ((a["reliability"] or {}).get("winners_curse") for a in artifacts) if c]
+    nulls = [n for n in ((a["reliability"] or {}).get("null") for a in artifacts) if n]
     parts = []
     if curses:
         shrunk = [c for c in curses if c["discovery_gain_points"] > c["holdout_gain_points"]]
@@ -244,7 +245,7 @@ def checks_sentence(artifacts: list[dict]) -> str:
     return " ".join(parts)
 
 
-def control_sentences(table: pd.DataFrame, artifacts: list[dict]) -> list[str]:
+def control_sentences(table: pd.DataFrame, artifacts: list[RunArtifact]) -> list[str]:
     """What the control shows across the runs, from the numbers: how far mean-ablation moves the full model against
     zero-ablation, and in how many runs the two differ significantly (alone, and after Holm over the runs)."""
     from cel_utils.stats.multiplicity import holm
@@ -340,7 +341,7 @@ def write_results_page(results_dir: Path, out_path: Path, runs_dir: Path | None 
 INTRO_FIGURE = "all_runs.html"  # beside the results page; book/intro.md includes it (a raw block's :file:)
 
 
-def intro_figure_html(artifacts: list[dict], paper_rows: list[dict], runs_dir: Path | None = None,
+def intro_figure_html(artifacts: list[RunArtifact], paper_rows: list[dict], runs_dir: Path | None = None,
                       link_prefix: str = "runs/") -> str:
     """The small copy of the results page's figure of every run, for the intro (no legend: the results page explains
     each mark); a line saying there are no runs yet where there are none."""

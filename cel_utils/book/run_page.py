@@ -7,17 +7,18 @@ from pathlib import Path
 import pandas as pd
 
 from cel_utils.book.text import ci_text, ordinal, p_is, p_text, provenance_text, rer_text, styled, transition_text
+from cel_utils.pipeline.schema import Floors, Margin, PairedTest, Power, RunArtifact, Verdict
 from cel_utils.tasks.scoring import relative_error_reduction
 
 
-def run_stem(artifact: dict) -> str:
+def run_stem(artifact: RunArtifact) -> str:
     """The file stem shared by a run's artifact and its executed notebook: ``model__task__seedN``."""
     from cel_utils.pipeline.artifacts import artifact_name
 
     return artifact_name(artifact["model"]["name"], artifact["task"]["name"], artifact["config"]["seed"]).removesuffix(".json")
 
 
-def run_timings(artifact: dict) -> dict:
+def run_timings(artifact: RunArtifact) -> dict:
     """A run's timings: from the run info beside its artifact (:func:`cel_utils.pipeline.artifacts.run_info_path`), or
     inline in artifacts written before the run info existed; {} when neither is there."""
     if "timings" in artifact:
@@ -27,7 +28,7 @@ def run_timings(artifact: dict) -> dict:
     return read_run_info(Path(artifact["config"]["results_dir"]) / f"{run_stem(artifact)}.json").get("timings", {})
 
 
-def run_overview(artifact: dict) -> pd.DataFrame:
+def run_overview(artifact: RunArtifact) -> pd.DataFrame:
     """What was run, on what, and how long it took, as a two-column table."""
     cfg, model, data, geo = artifact["config"], artifact["model"], artifact["data"], artifact["model"]["geometry"]
     timings = run_timings(artifact)
@@ -65,11 +66,11 @@ QUANT_BITS = {"Q4": "4-bit", "Q5": "5-bit", "Q6": "6-bit", "Q8": "8-bit", "F16":
               "F32": "32-bit"}
 
 
-def weights_text(artifact: dict) -> str:
+def weights_text(artifact: RunArtifact) -> str:
     """What the weights are: for a GGUF model, its quantization (these are 4-bit models' heads), then the dtype they
     were dequantized to and computed in."""
     model = artifact["model"]
-    quant = quantization(model.get("source") or {})
+    quant = quantization(model["source"] or {})
     bits = QUANT_BITS.get((quant or "").split("_")[0], "quantized")
     made = (f"{bits} GGUF ({quant}) dequantized to {model['dtype']}" if quant else model["dtype"])
     return f"{made} on {model['device']}, fingerprint {model['fingerprint']}"
@@ -80,16 +81,16 @@ def interval_name(sig: dict) -> str:
     return "exact (few changed answers)" if sig.get("interval", "").startswith("exact") else "paired bootstrap"
 
 
-def margin_text(margin: dict) -> str:
+def margin_text(margin: Margin) -> str:
     """The secondary measure in one line: the mean change of the gold answer's margin with its interval."""
     return (f"{margin['mean_change']:+.3g} {margin['unit'].split(' (')[0]} on average (95% CI "
             f"[{margin['ci_low']:+.3g}, {margin['ci_high']:+.3g}]), up on {100 * margin['share_up']:.0f}% of "
             f"{margin['n_items']} items")
 
 
-def precision_text(artifact: dict) -> str:
+def precision_text(artifact: RunArtifact) -> str:
     """What the evaluations computed in (issue 27), and for the guarded precision what its audit saw."""
-    record = artifact.get("precision")
+    record = artifact["precision"]
     if record is None:
         return "fp32 (recorded since issue 27)"
     text = record["resolved"] + ("" if record["setting"] == record["resolved"] else f" (setting {record['setting']})")
@@ -107,9 +108,9 @@ def precision_text(artifact: dict) -> str:
     return text
 
 
-def stage1_text(artifact: dict) -> str:
+def stage1_text(artifact: RunArtifact) -> str:
     """How stage 1 ran: every head exactly, or which screen passed how many heads on to exact evaluation."""
-    method = artifact.get("stage1_method") or {"method": "exact"}
+    method = artifact["stage1_method"]
     geo = artifact["model"]["geometry"]
     n_heads = geo["n_layers"] * geo["n_heads"]
     if method["method"] == "exact":
@@ -118,7 +119,7 @@ def stage1_text(artifact: dict) -> str:
             f"of {n_heads} evaluated exactly")
 
 
-def pool_table(artifact: dict) -> pd.DataFrame:
+def pool_table(artifact: RunArtifact) -> pd.DataFrame:
     """Stage 1's ranked pool: the p best single heads on the discovery set."""
     rows = [s for s in artifact["stage1"] if len(s["heads"]) == 1][: len(artifact["pool"])]
     return pd.DataFrame({
@@ -131,7 +132,7 @@ def pool_table(artifact: dict) -> pd.DataFrame:
     }).set_index("rank")
 
 
-def stage2_table(artifact: dict, top: int = 10) -> pd.DataFrame:
+def stage2_table(artifact: RunArtifact, top: int = 10) -> pd.DataFrame:
     """The best ``top`` subsets of the pool (sizes 1..k) by the ranking key; rank 1 is the frozen set."""
     rows = artifact["stage2"][:top]
     return pd.DataFrame({
@@ -145,7 +146,7 @@ def stage2_table(artifact: dict, top: int = 10) -> pd.DataFrame:
     }).set_index("rank")
 
 
-def holdout_table(artifact: dict) -> pd.DataFrame:
+def holdout_table(artifact: RunArtifact) -> pd.DataFrame:
     """The frozen set against the full model on the holdout, one row per metric (primary first)."""
     h = artifact["holdout"]
     primary = artifact["task"]["metric"]
@@ -160,7 +161,7 @@ def holdout_table(artifact: dict) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index("metric")
 
 
-def holdout_sentence(artifact: dict) -> str:
+def holdout_sentence(artifact: RunArtifact) -> str:
     """One Markdown sentence with the run's result, and :func:`selection_note` and :func:`sandbox_note` when they
     apply."""
     h = artifact["holdout"]
@@ -172,14 +173,14 @@ def holdout_sentence(artifact: dict) -> str:
                                          sandbox_note(artifact)) if part)
 
 
-def sandbox_note(artifact: dict) -> str:
+def sandbox_note(artifact: RunArtifact) -> str:
     """A warning when the run's model-written code (MBPP) ran in a sandbox with only best-effort layers somewhere
     (:func:`cel_utils.sandbox.isolation_report`, stored by the run); empty otherwise."""
-    warning = (artifact.get("sandbox") or {}).get("warning")
+    warning = (artifact["sandbox"] or {}).get("warning")
     return f"**Warning: best-effort sandbox.** This run executed model-written code, and {warning}." if warning else ""
 
 
-def tied_at_top(artifact: dict) -> tuple[int, int]:
+def tied_at_top(artifact: RunArtifact) -> tuple[int, int]:
     """(sets tied with the frozen one on discovery gain, harm and accuracy, the frozen one included; sets evaluated)."""
     best = artifact["frozen"]["discovery"]
     evaluated = {tuple(s["heads"]): s for s in artifact["stage1"] + artifact["stage2"]}
@@ -187,7 +188,7 @@ def tied_at_top(artifact: dict) -> tuple[int, int]:
     return sum((s["help"], s["harm"], s["n_correct"]) == counts for s in evaluated.values()), len(evaluated)
 
 
-def selection_note(artifact: dict) -> str:
+def selection_note(artifact: RunArtifact) -> str:
     """A warning when the frozen set is not a discovery finding: nothing improved discovery, or other evaluated
     sets tie with it on gain, harm and accuracy, so the ranking's last keys (fewer heads, lower ids) chose it.
     Empty otherwise. With few discovery items (MBPP on CPU: 2) every head can tie."""
@@ -203,47 +204,47 @@ def selection_note(artifact: dict) -> str:
     return " ".join(["**Caution.**"] + notes) if notes else ""
 
 
-def significance(artifact: dict) -> dict | None:
+def significance(artifact: RunArtifact) -> PairedTest | None:
     """The holdout's paired test, computed by today's code from the stored per-item vectors (the same seed stream as
     the run's, so the same numbers wherever the method did not change since; a run stored before the exact interval
     for few changed answers gets it here); the stored test only where the vectors are missing, else None."""
     h = artifact["holdout"]
-    if "full_correct" not in h:
-        return (artifact.get("reliability") or {}).get("significance")
+    if h["full_correct"] is None or h["ablated_correct"] is None:
+        return (artifact["reliability"] or {}).get("significance")
     from cel_utils.stats.significance import CI_STREAM, paired_test
 
     return paired_test(h["full_correct"], h["ablated_correct"], seed=[artifact["config"]["seed"], CI_STREAM]).to_json()
 
 
-def power_of(artifact: dict) -> dict | None:
+def power_of(artifact: RunArtifact) -> Power | None:
     """The smallest change the holdout test detects: stored by the run, else computed from the per-item vectors."""
-    rel, h = artifact.get("reliability") or {}, artifact["holdout"]
+    rel, h = artifact["reliability"] or {}, artifact["holdout"]
     if rel.get("power"):
         return rel["power"]
-    if "full_correct" not in h:
+    if h["full_correct"] is None or h["ablated_correct"] is None:
         return None
     from cel_utils.stats.power import discordant, power_json
 
     return power_json(h["n_items"], discordant(h["full_correct"], h["ablated_correct"]))
 
 
-def verdict_of(artifact: dict, family: dict | None = None) -> dict | None:
+def verdict_of(artifact: RunArtifact, family: dict | None = None) -> Verdict | None:
     """The run's one-line verdict (:func:`cel_utils.stats.power.verdict`), worded by the code that builds the page from
     the artifact's numbers, so that a page never repeats wording since found to claim more than the numbers support;
     the stored text only where the numbers are missing. ``family``: the run's place among the tests it is shown with
     (:mod:`cel_utils.book.claims`); None: a family of one."""
-    rel = artifact.get("reliability") or {}
+    rel = artifact["reliability"] or {}
     sig, power = significance(artifact), power_of(artifact)
     if sig is None or power is None:
         return rel.get("verdict")
     from cel_utils.stats.power import verdict
 
     h = artifact["holdout"]
-    return verdict(sig, power, rel.get("calibration"), floors=artifact.get("floors"),
+    return verdict(sig, power, rel.get("calibration"), floors=artifact["floors"],
                    accuracies=(h["full_accuracy"], h["ablated_accuracy"]), family=family)
 
 
-def verdict_sentence(artifact: dict, family: dict | None = None) -> str:
+def verdict_sentence(artifact: RunArtifact, family: dict | None = None) -> str:
     found = verdict_of(artifact, family)
     if not found:
         return ""
@@ -252,9 +253,9 @@ def verdict_sentence(artifact: dict, family: dict | None = None) -> str:
     return f"**Verdict: {found['text']}.**{alone}"
 
 
-def reliability_sentence(artifact: dict) -> str:
+def reliability_sentence(artifact: RunArtifact) -> str:
     """Markdown: the holdout gain with its interval and p-value, its place in the null, the winner's curse."""
-    sig, rel = significance(artifact), artifact.get("reliability") or {}
+    sig, rel = significance(artifact), artifact["reliability"] or {}
     if sig is None:
         return "This artifact stores no per-item holdout outcomes, so the gain cannot be tested."
     parts = [f"The holdout gain is **{sig['gain_points']:+.1f} points** ({ci_text(sig).replace(', p =', '; exact McNemar p =')}): "
@@ -273,9 +274,9 @@ def reliability_sentence(artifact: dict) -> str:
     return " ".join(parts)
 
 
-def reliability_table(artifact: dict) -> pd.DataFrame:
+def reliability_table(artifact: RunArtifact) -> pd.DataFrame:
     """The numbers behind :func:`reliability_sentence`, one per row."""
-    sig, rel = significance(artifact), artifact.get("reliability") or {}
+    sig, rel = significance(artifact), artifact["reliability"] or {}
     rows = {}
     if verdict_of(artifact):
         rows["verdict"] = verdict_of(artifact)["text"]
@@ -318,7 +319,7 @@ def reliability_table(artifact: dict) -> pd.DataFrame:
                                        f"{100 * st['frozen_set_frequency']:.0f}%, {st['distinct_selections']} distinct sets, "
                                        f"mean Jaccard {st['mean_jaccard']:.2f}")
         rows["holdout gains of the resampled selections"] = f"median {q['median']:+.2f}, range [{q['min']:+.2f}, {q['max']:+.2f}]"
-    config = artifact.get("config") or {}
+    config = artifact["config"]
     for part, setting, flag in (("null", "n_random_sets", "--n-random-sets"), ("stability", "n_resamples", "--n-resamples")):
         if rel and not rel.get(part) and config.get(setting) == 0:  # say so, rather than leave the reader to wonder
             rows["random sets of the same size" if part == "null" else "selection stability"] = (
@@ -326,9 +327,9 @@ def reliability_table(artifact: dict) -> pd.DataFrame:
     return pd.DataFrame({"": list(rows.values())}, index=pd.Index(list(rows), name="is the gain real?"))
 
 
-def stability_table(artifact: dict, top: int = 10) -> pd.DataFrame:
+def stability_table(artifact: RunArtifact, top: int = 10) -> pd.DataFrame:
     """The sets selected most often across resampled discovery sets, with their holdout gain."""
-    st = (artifact.get("reliability") or {}).get("stability")
+    st = (artifact["reliability"] or {}).get("stability")
     if not st:
         return pd.DataFrame(columns=["selected in (%)", "holdout gain (points)"])
     gain_of = dict(zip(st["selections"], st["holdout_gains_points"]))
@@ -341,13 +342,13 @@ def stability_table(artifact: dict, top: int = 10) -> pd.DataFrame:
     }).set_index("heads")
 
 
-def flip_table(artifact: dict) -> pd.DataFrame:
+def flip_table(artifact: RunArtifact) -> pd.DataFrame:
     """The holdout items the ablation flipped, in both directions, with what each model answered (stored by the run,
     :func:`cel_utils.pipeline.examples.flip_examples`)."""
     rows = [{"flip": e["direction"].replace("_to_", " -> ").replace("_", " "), "item": e["item"],
              "prompt (end)": e["prompt_end"],
              "gold": e["gold"], "full model": e["full"], "ablated model": e["ablated"]}
-            for e in artifact["holdout"].get("examples", [])]
+            for e in artifact["holdout"]["examples"]]
     return pd.DataFrame(rows, columns=["flip", "item", "prompt (end)", "gold", "full model", "ablated model"])
 
 
@@ -362,9 +363,13 @@ def show_flips(table: pd.DataFrame):
 
 # --- Floors, answer shares and the zero-ablation control (issue 42) ----------------------------------------------
 
-def floor_rows(artifact: dict) -> list[tuple[str, float | None, str]]:
+def floor_rows(artifact: RunArtifact) -> list[tuple[str, float | None, str]]:
     """(what, accuracy as a fraction or None, note) for the trivial baselines of the run's holdout items."""
-    floors = artifact.get("floors")
+    return floor_rows_of(artifact["floors"])
+
+
+def floor_rows_of(floors: Floors | None) -> list[tuple[str, float | None, str]]:
+    """:func:`floor_rows` from a floors section alone (the explorer scores items of its own)."""
     if not floors:
         return []
     rows = []
@@ -380,9 +385,9 @@ def floor_rows(artifact: dict) -> list[tuple[str, float | None, str]]:
     return rows
 
 
-def floors_table(artifact: dict) -> pd.DataFrame:
+def floors_table(artifact: RunArtifact) -> pd.DataFrame:
     """The full, ablated and control accuracies beside the floors of the same holdout items, highest first."""
-    h, control = artifact["holdout"], artifact.get("control")
+    h, control = artifact["holdout"], artifact["control"]
     rows = [(name, value, note) for name, value, note in floor_rows(artifact)]
     rows += [("full model", h["full_accuracy"], "the model as it is"),
              (f"{h['heads_label']} {_ablation_word(artifact)}-ablated", h["ablated_accuracy"], "the run's frozen set")]
@@ -394,21 +399,21 @@ def floors_table(artifact: dict) -> pd.DataFrame:
                         index=pd.Index([name for name, _, _ in rows], name=f"on the {h['n_items']} holdout items"))
 
 
-def _ablation_word(artifact: dict) -> str:
-    return (artifact.get("config") or {}).get("ablation", "zero")
+def _ablation_word(artifact: RunArtifact) -> str:
+    return artifact["config"]["ablation"]
 
 
-def answer_profile(artifact: dict) -> str:
+def answer_profile(artifact: RunArtifact) -> str:
     """Multiple choice: how often the full and the ablated model give each answer, and which way the changed answers
     went, from the stored predictions (a bias shift reads here); empty for the other kinds."""
     from cel_utils.tasks.floors import answer_shares, changed_answers
 
-    floors, h = artifact.get("floors") or {}, artifact["holdout"]
+    floors, h = artifact["floors"] or {}, artifact["holdout"]
     labels = floors.get("labels")
     if not labels:
         return ""
-    full = answer_shares(h.get("full_predictions", []), len(labels))
-    ablated = answer_shares(h.get("ablated_predictions", []), len(labels))
+    full = answer_shares(h["full_predictions"] or [], len(labels))
+    ablated = answer_shares(h["ablated_predictions"] or [], len(labels))
     if full is None or ablated is None:
         return ""
 
@@ -424,9 +429,9 @@ def answer_profile(artifact: dict) -> str:
             + (f"Of the {n_moved} answers the ablation changed: {top}." if n_moved else "No answer changed."))
 
 
-def control_sentence(artifact: dict) -> str:
+def control_sentence(artifact: RunArtifact) -> str:
     """The control in words: the frozen set under the other ablation, against the full model and the run's ablation."""
-    control = artifact.get("control")
+    control = artifact["control"]
     if not control:
         return ""
     h, vf, vs = artifact["holdout"], control["vs_full"], control["vs_search"]
@@ -445,7 +450,7 @@ def control_sentence(artifact: dict) -> str:
     return text
 
 
-def key_result(artifact: dict, family: dict | None = None, second: dict | None = None) -> str:
+def key_result(artifact: RunArtifact, family: dict | None = None, second: dict | None = None) -> str:
     """The run's key result as a MyST admonition, for the top of its page: full -> ablated with the floor beside it,
     the verdict's kind, the heads, the control; ``family`` as for :func:`verdict_of`; ``second``: the first look of
     a holdout scored twice (:func:`cel_utils.book.claims.second_look`)."""
@@ -467,7 +472,7 @@ def key_result(artifact: dict, family: dict | None = None, second: dict | None =
                        f"family-adjusted CI [{family['ci_low']:+.1f}, {family['ci_high']:+.1f}]")
         lines.append(p_line)
     lines.append(f"verdict: **{verdict_word(found)}**: {found['text']}")
-    control = artifact.get("control")
+    control = artifact["control"]
     if control:
         lines.append(f"control ({control['ablation']}-ablation of the same heads): "
                      f"{100 * control['accuracy']:.1f}% ({control['vs_full']['gain_points']:+.1f} points)")

@@ -15,13 +15,14 @@ import numpy as np
 
 from cel_utils.book.interactive import HARMFUL, HARMFUL_LIGHT, HELPFUL, HELPFUL_LIGHT, NEUTRAL, OfflineFigure
 from cel_utils.book.text import md_table, p_is, pct
+from cel_utils.pipeline.schema import TransferArtifact
 from cel_utils.stats.multiplicity import MARGIN_POINTS
 from cel_utils.stats.power import ALPHA
 
 ANCHOR = "transfer-matrix"  # the section's label: book/theory.md links to it
 
 
-def _family(transfer: dict) -> dict:
+def _family(transfer: TransferArtifact) -> dict:
     from cel_utils.book.claims import transfer_family
 
     return transfer_family(transfer)
@@ -78,7 +79,7 @@ def hover_text(cell: dict, metric: str, family: dict) -> str:
     return text + f"helped {cell['help']}, harmed {cell['harm']} of {_items_text(cell)}<br>{design}"
 
 
-def transfer_heatmap_figure(transfer: dict) -> OfflineFigure:
+def transfer_heatmap_figure(transfer: TransferArtifact) -> OfflineFigure:
     """Rows: the task a set was found on; columns: the task it is scored on; colour: the gain in points (blue helps,
     red hurts, white none, one scale symmetric about zero); the diagonal (each run's own result) is outlined, and a
     cell's text carries * where its paired test is significant."""
@@ -120,7 +121,7 @@ def _effect(cell: dict, family: dict) -> str:
             f"{adjusted['ci_high']:+.1f}], Holm {p_is(adjusted['p_adjusted'])})")
 
 
-def transfer_sentences(transfer: dict) -> list[str]:
+def transfer_sentences(transfer: TransferArtifact) -> list[str]:
     """One sentence per frozen set, generated from its row's adjusted tests and non-inferiority, then the
     trade-offs and the matrix's summary."""
     tasks, cells = transfer["tasks"], {(c["source"], c["target"]): c for c in transfer["cells"]}
@@ -178,7 +179,7 @@ def transfer_sentences(transfer: dict) -> list[str]:
     return out
 
 
-def transfer_table(transfer: dict) -> str:
+def transfer_table(transfer: TransferArtifact) -> str:
     tasks, cells = transfer["tasks"], {(c["source"], c["target"]): c for c in transfer["cells"]}
     family = _family(transfer)
     rows = [[f"{s} (`{cells[s, s]['heads_label']}`)"] + [cell_text(cells[s, t], family) for t in tasks] for s in tasks]
@@ -193,7 +194,7 @@ def raw_html(html_text: str) -> list[str]:
     return ["```{raw} html", html_text, "```", ""]
 
 
-def transfer_section(transfers: list[dict]) -> list[str]:
+def transfer_section(transfers: list[TransferArtifact]) -> list[str]:
     """The results page's transfer section (always present: the theory page links to it)."""
     out = [f"({ANCHOR})=", "## Beyond the task: the transfer matrix", "",
            "A frozen set that enhances one task by breaking another is no capability gain. Each model's frozen sets are "

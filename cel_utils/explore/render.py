@@ -10,7 +10,7 @@ from html import escape
 
 import numpy as np
 
-from cel_utils.book.run_page import floor_rows, interval_name
+from cel_utils.book.run_page import floor_rows_of, interval_name
 from cel_utils.book.text import clip, p_text, pct, transition_text
 from cel_utils.explore.session import ItemView, Score, option_scores
 from cel_utils.models.heads import format_heads
@@ -106,7 +106,7 @@ def score_html(score: Score) -> str:
             "exact McNemar p (two-sided)": p_text(t.p_value),
             "helped / harmed items": f"{t.help} / {t.harm} of {t.n_items}"}
     if score.floors:  # the trivial answers on the same items, beside the accuracies
-        rows.update({f"floor: {name}": f"{pct(value)}%" for name, value, _ in floor_rows({"floors": score.floors})})
+        rows.update({f"floor: {name}": f"{pct(value)}%" for name, value, _ in floor_rows_of(score.floors)})
     body = "".join(f"<tr><td>{escape(k)}</td><td>{escape(v)}</td></tr>" for k, v in rows.items())
     return (f'{STYLE}<div class="cel-x cel-score-table" data-gain="{t.gain_points!r}" data-help="{t.help}" '
             f'data-harm="{t.harm}" data-p="{t.p_value!r}" data-full="{pct(score.full.accuracy)}">'

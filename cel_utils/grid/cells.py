@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from cel_utils.config import RunConfig, from_notebook, resolve_preset, result_settings
+from cel_utils.pipeline.schema import RunArtifact
 
 REPO_DIR = Path(__file__).resolve().parents[2]  # the checkout: notebooks/ sits beside the package
 DEFAULT_NOTEBOOK = REPO_DIR / "notebooks" / "cel_run.ipynb"
@@ -148,7 +149,7 @@ def up_to_date(cell: Cell) -> dict | None:
         artifact = read_artifact(cell.artifact)
     except ValueError:
         return None
-    stored = artifact.get("config", {})
+    stored = artifact["config"]
     requested = cell.parameters["preset"]
     wanted = cell.config(stored.get("preset") if requested == "auto" else None)
     names = result_settings(type(wanted))
@@ -165,7 +166,7 @@ def data_source(config: RunConfig) -> str:
     return "hub" if resolve_data_dir(config.data_dir) is None else "mirror"
 
 
-def same_inputs(artifact: dict, config: RunConfig) -> bool:
+def same_inputs(artifact: RunArtifact, config: RunConfig) -> bool:
     """Whether a run of ``config`` now would read what the artifact's run read: the same weights (the part of the
     model's source that names them, :func:`cel_utils.models.loading.weights_source`; loading the model to take its
     fingerprint would cost as much as a short run) and the same kind of data source. The settings are compared apart.
@@ -174,7 +175,7 @@ def same_inputs(artifact: dict, config: RunConfig) -> bool:
     generate the same ones, and one online reads the hub."""
     from cel_utils.models.loading import weights_source
 
-    splits = (artifact.get("data") or {}).get("splits") or [{"source": None}]
+    splits = artifact["data"].get("splits") or [{"source": None}]
     kinds = {split.get("source") for split in splits}
     wanted = data_source(config)
     if kinds - ({"hub", "generated"} if wanted == "hub" else {"mirror"}):
@@ -183,7 +184,7 @@ def same_inputs(artifact: dict, config: RunConfig) -> bool:
         now = weights_source(config.model, config.revision)
     except (OSError, ValueError):  # cannot be told here: run the cell, which reports the problem itself
         return False
-    stored = (artifact.get("model") or {}).get("source") or {}
+    stored = artifact["model"]["source"] or {}
     return all(stored.get(key) == value for key, value in now.items())
 
 

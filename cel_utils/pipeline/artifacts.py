@@ -15,11 +15,14 @@ import re
 from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from cel_utils.paths import atomic_write
+from cel_utils.pipeline import schema
+from cel_utils.pipeline.schema import SCHEMA_VERSION, RunArtifact
 
-SCHEMA_VERSION = 1
+__all__ = ["SCHEMA_VERSION", "RunArtifact", "read_artifact", "load_artifacts", "write_json", "artifact_name",
+           "run_info_path", "read_run_info", "library_versions", "bits", "utc_now", "slug"]
 
 
 def library_versions() -> dict[str, str]:
@@ -56,7 +59,7 @@ def read_run_info(artifact: Path) -> dict:
         return {}
 
 
-def write_json(path: Path, payload: dict) -> Path:
+def write_json(path: Path, payload: Mapping[str, Any]) -> Path:
     atomic_write(path, json.dumps(payload, indent=1, sort_keys=False, default=_jsonable) + "\n", durable=True)
     return Path(path)
 
@@ -69,18 +72,12 @@ def _jsonable(value: Any):
     raise TypeError(f"cannot store {type(value).__name__} in a JSON artifact")
 
 
-def read_artifact(path: Path) -> dict:
-    path = Path(path)
-    try:
-        payload = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not a valid CEL artifact (broken JSON: {error})") from None
-    if payload.get("schema_version") != SCHEMA_VERSION:
-        raise ValueError(f"{path}: schema_version {payload.get('schema_version')!r}, this cel_utils reads {SCHEMA_VERSION}")
-    return payload
+def read_artifact(path: Path) -> Any:
+    """An artifact file in today's form (:func:`cel_utils.pipeline.schema.read`: checked, older versions migrated)."""
+    return schema.read(path)
 
 
-def load_artifacts(results_dir: Path) -> list[dict]:
+def load_artifacts(results_dir: Path) -> list[RunArtifact]:
     """Every artifact in a folder (sorted by file name), skipping nothing silently: a bad file raises."""
     return [read_artifact(path) for path in sorted(Path(results_dir).glob("*.json"))]
 

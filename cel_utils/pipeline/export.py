@@ -32,6 +32,7 @@ from cel_utils.models.ablation import ablated, zero_heads_in_weights
 from cel_utils.models.heads import HeadId, format_heads, head_set
 from cel_utils.models.loading import LoadedModel
 from cel_utils.models.plumbing import architecture, attention_output_projections
+from cel_utils.pipeline.schema import RunArtifact
 
 CHECK_TEXT = "Question: What is 17 plus 25?\nAnswer: 42. The passage says the river is long."
 
@@ -47,7 +48,7 @@ def ablated_copy(lm: LoadedModel, heads: Iterable[HeadId]) -> torch.nn.Module:
     return model
 
 
-def model_card(lm: LoadedModel, heads: Sequence[HeadId], artifact: dict | None = None) -> str:
+def model_card(lm: LoadedModel, heads: Sequence[HeadId], artifact: RunArtifact | None = None) -> str:
     """README.md of an exported checkpoint: what was changed, why it is exact, where the heads came from."""
     heads = head_set(heads)
     layers_path, proj_path = architecture(lm.model)
@@ -90,7 +91,7 @@ def model_card(lm: LoadedModel, heads: Sequence[HeadId], artifact: dict | None =
     return "\n".join(lines) + "\n"
 
 
-def export_ablated(lm: LoadedModel, heads: Iterable[HeadId], out_dir: str | Path, *, artifact: dict | None = None,
+def export_ablated(lm: LoadedModel, heads: Iterable[HeadId], out_dir: str | Path, *, artifact: RunArtifact | None = None,
                    overwrite: bool = False) -> Path:
     """Write the model with ``heads`` zeroed in its weights, its tokenizer, ``cel_ablation.json`` and a model card."""
     heads = head_set(heads)

@@ -24,6 +24,7 @@ from cel_utils.pipeline.artifacts import SCHEMA_VERSION, bits, library_versions,
 from cel_utils.pipeline.control import control_config, score_control
 from cel_utils.pipeline.discovery_flips import discovery_flips
 from cel_utils.pipeline.examples import flip_examples
+from cel_utils.pipeline.schema import RunArtifact
 from cel_utils.sandbox import isolation_report
 from cel_utils.search.algorithm import HoldoutResult, SearchResult, check_search_params, evaluate_holdout, run_search
 from cel_utils.search.screening import run_screen
@@ -187,8 +188,9 @@ def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool | s
 def build_artifact(config: RunConfig, lm: LoadedModel, data: TaskData, search: SearchResult, holdout: HoldoutResult,
                    reliability: dict | None = None, examples: list[dict] | None = None,
                    precision: dict | None = None, flips: dict | None = None, floors: dict | None = None,
-                   control: dict | None = None) -> dict:
-    """The run's artifact: deterministic content only (creation time and timings are in the run info)."""
+                   control: dict | None = None) -> RunArtifact:
+    """The run's artifact (:class:`cel_utils.pipeline.schema.RunArtifact`): deterministic content only (creation time
+    and timings are in the run info)."""
     geometry: HeadGeometry = lm.geometry
     return {
         "schema_version": SCHEMA_VERSION,

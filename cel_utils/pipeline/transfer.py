@@ -21,7 +21,7 @@ import hashlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Literal, Mapping
 
 import numpy as np
 
@@ -29,6 +29,7 @@ from cel_utils.config import TransferConfig, field_names, task_sort_key
 from cel_utils.models.heads import parse_head
 from cel_utils.pipeline.artifacts import (SCHEMA_VERSION, artifact_name, bits, library_versions, read_artifact,
                                           run_info_path, slug, utc_now, write_json)
+from cel_utils.pipeline.schema import RunArtifact, TransferArtifact
 from cel_utils.stats.power import discordant, power_json, verdict
 from cel_utils.stats.significance import CI_STREAM, paired_test
 
@@ -73,7 +74,7 @@ def find_runs(results_dir: str | Path, model_name: str, seed: int, tasks: Iterab
     return found
 
 
-def target_config(artifact: dict, given: Mapping | None = None) -> TransferConfig:
+def target_config(artifact: RunArtifact, given: Mapping | None = None) -> TransferConfig:
     """The configuration the transfer evaluates a target task with: its run's, as the artifact stores it, plus the
     transfer's own settings (the run's preset row, then ``given``). Only settings that change no number
     (:data:`_MACHINE_SETTINGS`) and ``transfer_items`` may be given; anything else would score the sets with another
@@ -161,13 +162,13 @@ def run_transfer(results_dir: str | Path, model: str, seed: int, tasks: Iterable
     for target in order:
         art, config = runs[target], configs[target]
         h = art["holdout"]
-        if "full_correct" not in h:
+        if h["full_correct"] is None:
             raise ValueError(f"{paths[target].name} stores no per-item holdout outcomes (an artifact older than the "
                              "paired test): rerun its cell")
-        cal = (art.get("reliability") or {}).get("calibration")
+        cal = (art["reliability"] or {}).get("calibration")
         cells[target, target] = cell_json(target, target, h["heads"], h["heads_label"], h["full_correct"],
                                           h["ablated_correct"], seed, h["n_items"], calibration=cal,
-                                          floors=art.get("floors"))
+                                          floors=art["floors"])
         sources = [s for s in order if s != target]
         if not sources:
             continue
@@ -246,7 +247,7 @@ def run_transfers(results_dir: str | Path, selection: Iterable[tuple[str, int, l
     return int(any(status == "failed" for status, _ in outcomes))
 
 
-def _check_same_model(lm, artifact: dict, name: str) -> None:
+def _check_same_model(lm, artifact: RunArtifact, name: str) -> None:
     stored = artifact["model"]
     dtype = str(lm.dtype).removeprefix("torch.")
     if lm.fingerprint != stored["fingerprint"] or dtype != stored["dtype"]:
@@ -255,7 +256,7 @@ def _check_same_model(lm, artifact: dict, name: str) -> None:
                          "grid, or load the model as the run did")
 
 
-def read_transfer(path: str | Path) -> dict:
+def read_transfer(path: str | Path) -> TransferArtifact:
     """A transfer matrix written by :func:`run_transfer` (a run's artifact or a broken file is an error)."""
     payload = read_artifact(Path(path))
     if payload.get("kind") != KIND:
@@ -263,13 +264,14 @@ def read_transfer(path: str | Path) -> dict:
     return payload
 
 
-def load_transfers(results_dir: str | Path) -> list[dict]:
+def load_transfers(results_dir: str | Path) -> list[TransferArtifact]:
     """Every transfer matrix under ``<results_dir>/transfer/`` (sorted by file name); a bad file raises."""
     folder = Path(results_dir) / SUBDIR
     return [read_transfer(path) for path in sorted(folder.glob("*.json"))] if folder.is_dir() else []
 
 
-def matrix(transfer: dict, field: str = "gain_points") -> np.ndarray:
+def matrix(transfer: TransferArtifact,
+           field: Literal["gain_points", "full_accuracy", "ablated_accuracy"] = "gain_points") -> np.ndarray:
     """The cells' ``field`` as a tasks x tasks array (row = found on, column = tested on)."""
     tasks = transfer["tasks"]
     out = np.full((len(tasks), len(tasks)), np.nan)

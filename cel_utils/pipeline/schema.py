@@ -1,0 +1,526 @@
+"""The artifact's format as types: the contract between a run and everything read from it afterwards.
+
+A run's artifact (``kind: cel-run``), a model's transfer matrix (``cel-transfer``) and a strategies comparison
+(``cel-strategies``) are JSON objects; their sections are declared here as :class:`typing.TypedDict` s, so a type checker
+sees every read (``tests/test_schema.py`` runs mypy over the readers and fails on a key the schema does not declare),
+and at run time they are plain dicts: an artifact's bytes are exactly what :func:`json.dumps` writes of them.
+
+Every artifact is read through :func:`from_json`, which checks that the sections are there (a clear error names a
+missing one) and upgrades an older file in **one** place, :func:`migrate_v1`: version 1 grew sections while its number
+stayed 1 (the control, the floors, the precision record, the discovery flips, ...), and an artifact written before a
+section existed gets that section as ``None`` (or the value its absence meant, as for ``config.ablation``). A reader
+therefore never needs ``.get`` with a fallback for an old file: what may be absent is typed ``X | None``.
+"""
+# No `from __future__ import annotations` here: NotRequired must be seen at class creation (Python 3.11 does not
+# find it in string annotations, and would call every key required).
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, NotRequired, TypedDict
+
+SCHEMA_VERSION = 2
+RUN, TRANSFER, STRATEGIES = "cel-run", "cel-transfer", "cel-strategies"
+
+
+# -- pieces shared by several sections ---------------------------------------------------------------------------------
+
+class HeadScore(TypedDict):
+    """One evaluated head set on the discovery items (a stage-1 or stage-2 row)."""
+    heads: list[str]
+    accuracy: float
+    gain_points: float
+    n_correct: int
+    harm: int
+    help: int
+
+
+class PairedTest(TypedDict):
+    """:class:`cel_utils.stats.significance.PairedTest` as stored: gain, interval and exact McNemar p."""
+    n_items: int
+    help: int
+    harm: int
+    gain_points: float
+    ci_low: float
+    ci_high: float
+    confidence: float
+    n_resamples: int
+    p_value: float
+    test: str
+    interval: str
+
+
+class Power(TypedDict):
+    alpha: float
+    power: float
+    n_items: int
+    n_discordant: int
+    min_detectable_gain_points: float | None
+
+
+class Verdict(TypedDict):
+    kind: str
+    text: str
+    at_floor: NotRequired[bool]
+
+
+class Margin(TypedDict):
+    """The gold answer's margin, ablated - full (:mod:`cel_utils.stats.reliability`), a secondary measure."""
+    unit: str
+    n_items: int
+    n_left_out: int
+    mean_change: float
+    ci_low: float
+    ci_high: float
+    confidence: float
+    share_up: float
+    interval: str
+
+
+class Geometry(TypedDict):
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+
+# -- a run's artifact --------------------------------------------------------------------------------------------------
+
+class ModelSection(TypedDict):
+    spec: str
+    name: str
+    source: dict[str, Any] | None  # how the weights were found (a gguf file and its sha256, a hub id, ...)
+    fingerprint: str
+    dtype: str
+    device: str
+    geometry: Geometry
+    model_type: str
+
+
+class Audit(TypedDict):
+    """The guarded precision's audit (:meth:`cel_utils.evaluation.guard.Guard.to_json`)."""
+    multiple: float
+    band: float | None
+    largest_error: float | None
+    initial_audit_pairs: int
+    audit_share: float
+    pairs: int
+    rechecked: int
+    share_rechecked: float | None
+    audited: int
+    bf16_decisions_caught: int
+    audited_decisions_differed: int
+    fell_back_to_fp32: str | None
+    pairs_after_fall_back: int
+
+
+class Precision(TypedDict):
+    setting: str
+    resolved: str
+    approximate: bool
+    audit: Audit | None
+
+
+class Prompt(TypedDict):
+    format: str
+    bos: bool
+
+
+class TaskSection(TypedDict):
+    name: str
+    kind: str
+    metric: str
+    metrics: list[str]
+
+
+class Split(TypedDict):
+    source: str | None
+    path: NotRequired[str | None]
+    dataset: NotRequired[str | None]
+    config: NotRequired[str | None]
+    split: NotRequired[str | None]
+    rows: NotRequired[int]
+
+
+class Data(TypedDict):
+    """Where the items came from (:func:`cel_utils.tasks.data.load_task_data`'s provenance)."""
+    source: str
+    splits: NotRequired[list[Split]]
+    seed: NotRequired[int]
+    n_discovery: int | None
+    n_holdout: NotRequired[int]
+    num_fewshot: NotRequired[int]
+    fewshot_ids: NotRequired[list[str]]
+    fallback: NotRequired[str]
+    discovery_candidates_dropped_as_duplicates: NotRequired[int]
+
+
+class Discovery(TypedDict):
+    item_ids: list[str]
+    full_accuracy: float
+    full_correct: list[int]
+    full_metrics: dict[str, float]
+
+
+class Stage1Method(TypedDict):
+    """Exact (every head scored), or which screen passed how many heads on (:mod:`cel_utils.search.screening`)."""
+    method: str
+    screen: NotRequired[str]
+    keep: NotRequired[int]
+    n_heads: NotRequired[int]
+    forward_equivalents: NotRequired[float]
+    order: NotRequired[list[str]]
+    scores: NotRequired[list[list[float]]]
+    candidates: NotRequired[int]
+    boundary_items: NotRequired[int]
+
+
+class Frozen(TypedDict):
+    heads: list[str]
+    label: str
+    discovery: HeadScore
+
+
+class DiscoveryFlips(TypedDict):
+    """The discovery items each scored set flipped (:mod:`cel_utils.pipeline.discovery_flips`)."""
+    items: dict[str, dict[str, Any]]
+    sets: dict[str, dict[str, dict[str, int]]]
+
+
+class Example(TypedDict):
+    direction: str
+    item: str
+    prompt_end: str
+    gold: str
+    full: str
+    ablated: str
+
+
+class Holdout(TypedDict):
+    heads: list[str]
+    heads_label: str
+    full_accuracy: float
+    ablated_accuracy: float
+    gain_points: float
+    relative_error_reduction: float
+    harm: int
+    help: int
+    n_items: int
+    full_metrics: dict[str, float]
+    ablated_metrics: dict[str, float]
+    # Per item; None where an artifact predates them (its page then shows no test, no answer shares)
+    item_ids: list[str] | None
+    full_correct: list[int] | None
+    ablated_correct: list[int] | None
+    full_metric_vectors: dict[str, list[int]] | None
+    ablated_metric_vectors: dict[str, list[int]] | None
+    full_predictions: list[Any] | None  # an answer index (multiple choice), a code completion and its status, or None
+    ablated_predictions: list[Any] | None
+    examples: list[Example]
+
+
+class BestConstant(TypedDict):
+    answer: str
+    accuracy: float
+    what: str
+
+
+class Floors(TypedDict):
+    """The trivial accuracies on the holdout items (:mod:`cel_utils.tasks.floors`)."""
+    n_items: int
+    chance: float | None
+    best_constant: BestConstant | None
+    labels: list[str] | None
+    labels_shared: bool
+    gold_shares: list[float] | None
+    note: NotRequired[str]
+
+
+class Means(TypedDict):
+    items: str
+    n_items: int
+    n_tokens: int
+    sha256: str
+    what: str
+
+
+class Control(TypedDict):
+    """The frozen set under the other ablation on the same holdout items (:mod:`cel_utils.pipeline.control`)."""
+    ablation: str
+    search_ablation: str
+    means: Means
+    heads: list[str]
+    heads_label: str
+    n_items: int
+    accuracy: float
+    metrics: dict[str, float]
+    correct: list[int]
+    predictions: list[Any]
+    vs_full: PairedTest
+    vs_search: PairedTest
+    margin: Margin | None
+
+
+class Quantiles(TypedDict):
+    min: float
+    q25: float
+    median: float
+    q75: float
+    max: float
+
+
+class Null(TypedDict):
+    """Random head sets of the frozen set's size on the holdout (or a seeded subset of it)."""
+    size: int
+    n_sets: int
+    sets: list[str]
+    gains_points: list[float]
+    selected_gain_points: float
+    percentile: float
+    p_value: float
+    n: int
+    quantiles: Quantiles
+    n_items: NotRequired[int]
+    item_indices: NotRequired[list[int]]
+
+
+class WinnersCurse(TypedDict):
+    discovery_gain_points: float
+    holdout_gain_points: float
+    gap_points: float
+
+
+class Stability(TypedDict):
+    method: str
+    n_resamples: int
+    selections: list[str]
+    discovery_gains_points: list[float]
+    holdout_gains_points: list[float]
+    head_frequency: dict[str, float]
+    set_frequency: dict[str, float]
+    frozen_set_frequency: float
+    mean_jaccard: float
+    mean_jaccard_to_frozen: float
+    holdout_gain_quantiles: Quantiles
+    mean_gap_points: float
+    distinct_selections: int
+
+
+class Calibration(TypedDict):
+    """The calibration baseline (:mod:`cel_utils.stats.calibration`): per-answer offsets fitted on discovery."""
+    groups: str
+    n_groups: NotRequired[int]
+    cross_validated_accuracy: NotRequired[dict[str, float]]
+    folds: NotRequired[int]
+    offsets: list[float]
+    length_edges: NotRequired[list[float] | None]
+    discovery_accuracy: float
+    holdout_accuracy: float
+    holdout_gain_points: float
+    holdout_correct: list[int]
+    test: PairedTest
+    ablation_vs_calibration: PairedTest
+
+
+class Reliability(TypedDict):
+    """:func:`cel_utils.stats.reliability.assess_run`; a part is None where it was not run or cannot be computed."""
+    significance: PairedTest | None
+    power: Power | None
+    verdict: Verdict | None
+    winners_curse: WinnersCurse | None
+    null: Null | None
+    stability: Stability | None
+    calibration: Calibration | None
+    margin: Margin | None
+    cost: NotRequired[dict[str, int]]
+
+
+class Sandbox(TypedDict):
+    protections: list[str]
+    unguarded: list[str]
+    warning: str | None
+
+
+class RunArtifact(TypedDict):
+    """One CEL run (model, task, seed): :func:`cel_utils.pipeline.protocol.build_artifact` writes it."""
+    schema_version: int
+    kind: str
+    config: dict[str, Any]  # dataclasses.asdict(RunConfig): cel_utils.config declares every setting once
+    model: ModelSection
+    precision: Precision | None
+    prompt: Prompt | None
+    task: TaskSection
+    data: Data
+    discovery: Discovery
+    stage1: list[HeadScore]
+    stage1_method: Stage1Method
+    pool: list[str]
+    stage2: list[HeadScore]
+    frozen: Frozen
+    discovery_flips: DiscoveryFlips | None
+    holdout: Holdout
+    floors: Floors | None
+    control: Control | None
+    n_interventions_evaluated: int
+    reliability: Reliability | None
+    sandbox: Sandbox | None
+    versions: dict[str, str]
+    # Only in version-1 artifacts written before the run info existed (pipeline.artifacts.run_info_path): their
+    # wall times, inline. Kept by the migration so that their pages still show them; never written now.
+    timings: NotRequired[dict[str, float]]
+
+
+# -- a model's transfer matrix -----------------------------------------------------------------------------------------
+
+class TransferCell(TypedDict):
+    source: str
+    target: str
+    diagonal: bool
+    heads: list[str]
+    heads_label: str
+    n_items: int
+    n_holdout: int
+    item_indices: list[int]
+    full_accuracy: float
+    ablated_accuracy: float
+    gain_points: float
+    full_correct: list[int]
+    ablated_correct: list[int]
+    help: int
+    harm: int
+    significance: PairedTest
+    power: Power
+    verdict: Verdict
+
+
+class TransferModel(TypedDict):
+    name: str
+    spec: str
+    fingerprint: str
+    dtype: str
+    geometry: Geometry
+
+
+class TransferArtifact(TypedDict):
+    """:func:`cel_utils.pipeline.transfer.run_transfer` writes it: every frozen set of a model on every task."""
+    schema_version: int
+    kind: str
+    model: TransferModel
+    seed: int
+    tasks: list[str]
+    metrics: dict[str, str]
+    inputs: dict[str, Any]  # the run artifacts it was computed from, by sha256, and the subset sizes
+    cells: list[TransferCell]
+    versions: dict[str, str]
+
+
+# -- a comparison of search strategies ---------------------------------------------------------------------------------
+
+class StrategiesArtifact(TypedDict):
+    """:func:`cel_utils.pipeline.strategies_run.compare_strategies` writes it: other searches against Algorithm 1."""
+    schema_version: int
+    kind: str
+    config: dict[str, Any]  # dataclasses.asdict(StrategiesConfig)
+    beam_width: int
+    attribution_candidates: int
+    model: dict[str, Any]
+    task: dict[str, Any]
+    data: Data
+    n_discovery: int
+    n_holdout: int
+    full: dict[str, float]
+    strategies: list[dict[str, Any]]  # one row per strategy: its set, discovery and holdout gains, cost
+    screening: dict[str, Any] | None  # the screens' recall of exhaustive stage 1, where it was measured
+    attribution_skipped: str | None
+    cost_unit: str
+
+
+# -- reading and writing ------------------------------------------------------------------------------------------------
+
+SCHEMAS: dict[str, type] = {RUN: RunArtifact, TRANSFER: TransferArtifact, STRATEGIES: StrategiesArtifact}
+
+
+def migrate_v1(payload: dict) -> dict:
+    """A version-1 artifact in today's form: the one place that knows what older files lack. Sections added while the
+    version stayed 1 become None (absent); settings added since take the value their absence meant."""
+    payload = dict(payload, schema_version=SCHEMA_VERSION)
+    if payload.get("kind") == STRATEGIES:  # the screens' agreement and attribution came later
+        payload.setdefault("screening", None)
+        payload.setdefault("attribution_skipped", None)
+    if payload.get("kind", RUN) != RUN:
+        return payload  # a transfer matrix: the same fields in both versions
+    payload.setdefault("kind", RUN)
+    for section in ("precision", "prompt", "discovery_flips", "floors", "control", "reliability", "sandbox"):
+        payload.setdefault(section, None)
+    payload.setdefault("stage1_method", {"method": "exact"})
+    config = payload["config"] = dict(payload["config"])
+    config.setdefault("ablation", "zero")  # before mean-ablation every run zero-ablated
+    data = payload["data"] = dict(payload["data"])
+    data.setdefault("n_discovery", config.get("n_discovery"))
+    holdout = payload["holdout"] = dict(payload["holdout"])
+    for key in ("item_ids", "full_correct", "ablated_correct", "full_metric_vectors", "ablated_metric_vectors",
+                "full_predictions", "ablated_predictions"):
+        holdout.setdefault(key, None)
+    holdout.setdefault("examples", [])
+    if payload["reliability"] is not None:
+        reliability = payload["reliability"] = dict(payload["reliability"])
+        for part in Reliability.__required_keys__:
+            reliability.setdefault(part, None)
+    return payload
+
+
+MIGRATIONS = {1: migrate_v1}
+
+
+def from_json(payload: dict, source: str = "artifact") -> Any:
+    """A parsed artifact in today's form, checked against its schema; ``source`` names it in errors."""
+    version = payload.get("schema_version") if isinstance(payload, dict) else None
+    if version in MIGRATIONS:
+        payload = MIGRATIONS[version](payload)
+    elif version != SCHEMA_VERSION:
+        raise ValueError(f"{source}: schema_version {version!r}, this cel_utils reads {SCHEMA_VERSION} (and "
+                         f"{', '.join(map(str, MIGRATIONS))}); write it again with this version's `cel` command")
+    schema = SCHEMAS.get(payload.get("kind", RUN))
+    if schema is not None:
+        missing = missing_keys(payload, schema)
+        if missing:
+            raise ValueError(f"{source} is not a complete {payload.get('kind')} artifact: it lacks "
+                             f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    return payload
+
+
+def read(path: Path) -> Any:
+    """An artifact file, through :func:`from_json`; a broken file is an error that names it."""
+    path = Path(path)
+    try:
+        payload = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not a valid CEL artifact (broken JSON: {error})") from None
+    return from_json(payload, str(path))
+
+
+def missing_keys(value: Any, schema: Any, where: str = "") -> list[str]:
+    """The required keys of ``schema`` (a TypedDict, nested ones included) that ``value`` lacks, as dotted paths."""
+    schema = _strip_none(schema)
+    if typing.is_typeddict(schema) and isinstance(value, dict):
+        hints = typing.get_type_hints(schema)
+        missing = [f"{where}{key}" for key in schema.__required_keys__ if key not in value]
+        for key, hint in hints.items():
+            if key in value and value[key] is not None:
+                missing += missing_keys(value[key], hint, f"{where}{key}.")
+        return missing
+    if typing.get_origin(schema) is list and isinstance(value, list) and value:
+        (item,) = typing.get_args(schema)
+        if typing.is_typeddict(_strip_none(item)):
+            return missing_keys(value[0], item, where.rstrip(".") + "[0].")  # rows are written alike: the first tells
+    return []
+
+
+def _strip_none(hint: Any) -> Any:
+    """``X | None`` -> ``X`` (and ``NotRequired[X]`` -> ``X``); other hints as they are."""
+    if typing.get_origin(hint) is NotRequired:
+        hint = typing.get_args(hint)[0]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
+        return args[0]
+    return hint
