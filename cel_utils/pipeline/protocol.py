@@ -47,16 +47,9 @@ class CelRun:
 
 
 def run_precision(config: RunConfig, device) -> str:
-    """``config.precision`` as it resolves on ``device``. ``auto``: guarded with bf16 units and the fast engine, for
-    multiple-choice tasks (BoolQ, HellaSwag) only (``TaskKind.auto_guarded``), the kind where it was measured faster
-    than fp32 (stage 1 of the default model, 2 threads: 1.31x and 1.22x; book/speed.md). The others stay fp32 under
-    ``auto``: guarded took arithmetic_1dc (short items after a 3-shot prefix, where bf16 itself gained 1.33x) 2.0x
-    fp32's time, and MBPP's decoding guard rechecked every row (see cel_utils.evaluation.guarded_generation)."""
-    precision = resolve_precision(config.precision, device)
-    if precision == "guarded" and config.precision == "auto" and (
-            config.engine != "fast" or not kind_of(get_task(config.task)).auto_guarded):
-        return "fp32"
-    return precision
+    """``config.precision`` as it resolves on ``device`` for this run's task and engine
+    (:func:`cel_utils.evaluation.precision.resolve_precision` decides what ``auto`` means)."""
+    return resolve_precision(config.precision, device, kind_of(get_task(config.task)), config.engine)
 
 
 def load_for(config: RunConfig) -> LoadedModel:
