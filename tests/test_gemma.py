@@ -6,7 +6,6 @@ full-attention one, a BOS token, tied embeddings and a 262k vocabulary. Most che
 with Gemma's own tokenizer (so prompts start with BOS and the vocabulary is the real one), whose window of 16 tokens
 is shorter than every prompt, so that the window bites wherever the engine builds a mask; a few run on the real model.
 """
-import copy
 import importlib.metadata
 
 import numpy as np

@@ -2,10 +2,8 @@
 random-model runs of the smoke preset; and its place on the results page beside the paper's Table 1."""
 from __future__ import annotations
 
-import json
 import re
 
-import numpy as np
 import pytest
 
 from cel_utils.cli import main

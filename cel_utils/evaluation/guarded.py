@@ -44,7 +44,7 @@ import torch
 
 from cel_utils.evaluation.engine import PREFIX_CACHE_BYTES, EngineEvaluator
 from cel_utils.evaluation.evaluator import Evaluator, Intervention
-from cel_utils.evaluation.guard import AUDIT_PAIRS, AUDIT_SHARE, SAFETY_MULTIPLE, Guard, Pair  # noqa: F401 (re-exported)
+from cel_utils.evaluation.guard import Guard, Pair
 from cel_utils.evaluation.guarded_generation import guarded_completions
 from cel_utils.evaluation.kinds import TaskKind
 from cel_utils.evaluation.prefix import clean_prefix, prefix_states
