@@ -471,7 +471,7 @@ def key_result(artifact: RunArtifact, family: dict | None = None, second: dict |
             p_line += (f"; among the book's {family['m']} primary tests: Holm p = {p_text(family['p_adjusted'])}, "
                        f"family-adjusted CI [{family['ci_low']:+.1f}, {family['ci_high']:+.1f}]")
         lines.append(p_line)
-    lines.append(f"verdict: **{verdict_word(found)}**: {found['text']}")
+    lines.append(f"verdict: **{verdict_word(found)}**. In words: {found['text']}.")
     control = artifact["control"]
     if control:
         lines.append(f"control ({control['ablation']}-ablation of the same heads): "
