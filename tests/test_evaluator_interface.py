@@ -16,6 +16,7 @@ from cel_utils.evaluation.precision import bf16_model
 from cel_utils.evaluation.store import EvalStore
 from cel_utils.search import screening
 from cel_utils.search.screening import run_screen
+from cel_utils.search.strategies import Ledger
 from cel_utils.tasks.splits import load_task_data
 
 RESAMPLE = [4, 4, 0, 2]
@@ -61,12 +62,12 @@ def test_every_evaluator_implements_the_interface_and_forwards_nothing_else(tiny
     guarded = GuardedEvaluator(engine, EngineEvaluator(lm, data.task, data.discovery, progress=False,
                                                        above=bf16_model(lm)), Guard())
     evaluators = [NaiveEvaluator(lm, data.task, data.discovery, progress=False), engine, table,
-                  Resampled(table, RESAMPLE), guarded, OutcomeTable(guarded)]
+                  Resampled(table, RESAMPLE), guarded, OutcomeTable(guarded), Ledger(table)]
     for evaluator in evaluators:
         assert isinstance(evaluator, EvaluatorProtocol), type(evaluator).__name__
         assert not hasattr(type(evaluator), "__getattr__"), type(evaluator).__name__
         assert evaluator.lm is lm and evaluator.task is data.task and evaluator.kind is engine.kind
-    for wrapper in (table, guarded, OutcomeTable(guarded)):
+    for wrapper in (table, guarded, OutcomeTable(guarded), Ledger(table)):
         assert wrapper.items == engine.items and wrapper.requests == engine.requests
         assert wrapper.n_tokens == engine.n_tokens
     view = Resampled(table, RESAMPLE)
