@@ -43,20 +43,18 @@ import numpy as np
 import torch
 
 from cel_utils.evaluation.engine import PREFIX_CACHE_BYTES, EngineEvaluator
-from cel_utils.evaluation.evaluator import Evaluator, Intervention
+from cel_utils.evaluation.evaluator import EvaluatorProtocol, Intervention
 from cel_utils.evaluation.guard import Guard, Pair
 from cel_utils.evaluation.guarded_generation import guarded_completions
-from cel_utils.evaluation.kinds import TaskKind
+from cel_utils.evaluation.outcomes import Wrapper
 from cel_utils.evaluation.prefix import clean_prefix, prefix_states
 from cel_utils.models.ablation import ablated_rows, head_mask
 from cel_utils.models.heads import HeadId, format_heads
-from cel_utils.models.loading import LoadedModel
 from cel_utils.models.plumbing import attention_with_mask, base_model, capture_layer_outputs, start_at_layer
 from cel_utils.tasks.scoring import ContinuationStats, Outcome
-from cel_utils.tasks.specs import Item, TaskSpec
 
 
-class GuardedEvaluator:
+class GuardedEvaluator(Wrapper):
     """An evaluator whose decisions are fp32's, computed mostly in bf16 (see the module docstring).
 
     ``exact`` is an :class:`~cel_utils.evaluation.engine.EngineEvaluator` on the fp32 model, ``fast`` its fast pass (the
@@ -69,39 +67,13 @@ class GuardedEvaluator:
         self.exact, self.fast, self.guard = exact, fast, guard
 
     @property
-    def lm(self) -> LoadedModel:
-        return self.exact.lm
-
-    @property
-    def task(self) -> TaskSpec:
-        return self.exact.task
-
-    @property
-    def kind(self) -> TaskKind:
-        return self.exact.kind
-
-    @property
-    def items(self) -> list[Item]:
-        return self.exact.items
-
-    @property
-    def requests(self) -> list:
-        return self.exact.requests
-
-    @property
-    def n_tokens(self) -> int:
-        return self.exact.n_tokens
+    def inner(self) -> EvaluatorProtocol:
+        return self.exact
 
     @property
     def budget_halvings(self) -> list[int]:
         """The fp32 engine's (a run's info reports them)."""
         return self.exact.budget_halvings
-
-    def sibling(self, items: Sequence[Item] | None = None, *, lm: LoadedModel | None = None,
-                with_store: bool = True) -> Evaluator:
-        """fp32's engine on ``items`` or ``lm``: the decisions a guarded evaluator gives, computed exactly and outside
-        this run's audit (the screens compute on it)."""
-        return self.exact.sibling(items, lm=lm, with_store=with_store)
 
     def evaluate(self, interventions: Iterable[Iterable[HeadId]], desc: str | None = None) -> list[Outcome]:
         interventions = self.exact._canonical(interventions)

@@ -32,7 +32,46 @@ def take(outcome: Outcome, indices: Sequence[int] | np.ndarray) -> Outcome:
                    predictions=predictions, scores=None if outcome.scores is None else outcome.scores[indices])
 
 
-class OutcomeTable:
+class Wrapper:
+    """An evaluator in front of another (``inner``) that evaluates what it evaluates: the model, task, items, requests
+    and siblings are the inner one's, declared here once for every wrapper (the outcome table, a strategy's ledger,
+    the guarded evaluator: its fp32 engine); a wrapper adds ``evaluate`` and ``evaluate_one``."""
+
+    @property
+    def inner(self) -> EvaluatorProtocol:
+        raise NotImplementedError
+
+    @property
+    def lm(self) -> LoadedModel:
+        return self.inner.lm
+
+    @property
+    def task(self) -> TaskSpec:
+        return self.inner.task
+
+    @property
+    def kind(self) -> TaskKind:
+        return self.inner.kind
+
+    @property
+    def items(self) -> list[Item]:
+        return self.inner.items
+
+    @property
+    def requests(self) -> list:
+        return self.inner.requests
+
+    @property
+    def n_tokens(self) -> int:
+        return self.inner.n_tokens
+
+    def sibling(self, items: Sequence[Item] | None = None, *, lm: LoadedModel | None = None,
+                with_store: bool = True) -> Evaluator:
+        """The inner evaluator's sibling: a plain evaluator deciding as this one does."""
+        return self.inner.sibling(items, lm=lm, with_store=with_store)
+
+
+class OutcomeTable(Wrapper):
     """A memo of ``intervention -> Outcome`` in front of an evaluator.
 
     ``requested`` holds every distinct intervention asked for (served from memory or not), ``evaluated`` the
@@ -50,33 +89,8 @@ class OutcomeTable:
             self.add(heads, outcome)
 
     @property
-    def lm(self) -> LoadedModel:
-        return self.evaluator.lm
-
-    @property
-    def task(self) -> TaskSpec:
-        return self.evaluator.task
-
-    @property
-    def kind(self) -> TaskKind:
-        return self.evaluator.kind
-
-    @property
-    def items(self) -> list[Item]:
-        return self.evaluator.items
-
-    @property
-    def requests(self) -> list:
-        return self.evaluator.requests
-
-    @property
-    def n_tokens(self) -> int:
-        return self.evaluator.n_tokens
-
-    def sibling(self, items: Sequence[Item] | None = None, *, lm: LoadedModel | None = None,
-                with_store: bool = True) -> Evaluator:
-        """The wrapped evaluator's sibling: a plain evaluator (a table keeps the outcomes of its own items only)."""
-        return self.evaluator.sibling(items, lm=lm, with_store=with_store)
+    def inner(self) -> EvaluatorProtocol:
+        return self.evaluator
 
     def __contains__(self, heads: Iterable[HeadId]) -> bool:
         return head_set(heads) in self.outcomes

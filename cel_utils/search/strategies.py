@@ -28,24 +28,21 @@ strategy's cost counts everything it asked for, as if it had run alone:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import numpy as np
 from scipy import stats
 
 from cel_utils.checks import check_int
-from cel_utils.evaluation.evaluator import Evaluator, Intervention
-from cel_utils.evaluation.kinds import TaskKind
-from cel_utils.evaluation.outcomes import OutcomeTable
+from cel_utils.evaluation.evaluator import Intervention
+from cel_utils.evaluation.outcomes import OutcomeTable, Wrapper
 from cel_utils.models.heads import HeadId, head_set
-from cel_utils.models.loading import LoadedModel
 from cel_utils.search.algorithm import run_search
 from cel_utils.search.ranking import Score, rank, rank_key, rank_singles, score
 from cel_utils.tasks.scoring import Outcome
-from cel_utils.tasks.specs import Item, TaskSpec
 
 
-class Ledger:
+class Ledger(Wrapper):
     """One strategy's view of the shared table: the table evaluates (each intervention once, for every strategy), the
     ledger records every distinct intervention this strategy asks for (its cost). An evaluator of the interface
     (:class:`~cel_utils.evaluation.evaluator.EvaluatorProtocol`): the search runs on it as on any other."""
@@ -55,28 +52,8 @@ class Ledger:
         self.requested: dict[Intervention, None] = {}
 
     @property
-    def lm(self) -> LoadedModel:
-        return self.table.lm
-
-    @property
-    def task(self) -> TaskSpec:
-        return self.table.task
-
-    @property
-    def kind(self) -> TaskKind:
-        return self.table.kind
-
-    @property
-    def items(self) -> list[Item]:
-        return self.table.items
-
-    @property
-    def requests(self) -> list:
-        return self.table.requests
-
-    @property
-    def n_tokens(self) -> int:
-        return self.table.n_tokens
+    def inner(self) -> OutcomeTable:
+        return self.table
 
     def evaluate(self, interventions: Iterable[Iterable[HeadId]], desc: str | None = None) -> list[Outcome]:
         interventions = [head_set(heads) for heads in interventions]
@@ -85,10 +62,6 @@ class Ledger:
 
     def evaluate_one(self, heads: Iterable[HeadId] = ()) -> Outcome:
         return self.evaluate([heads])[0]
-
-    def sibling(self, items: Sequence[Item] | None = None, *, lm: LoadedModel | None = None,
-                with_store: bool = True) -> Evaluator:
-        return self.table.sibling(items, lm=lm, with_store=with_store)
 
 
 @dataclass
