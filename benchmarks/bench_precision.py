@@ -3,14 +3,21 @@
     python benchmarks/bench_precision.py                                    # boolq, hellaswag, arithmetic_1dc
     python benchmarks/bench_precision.py --tasks boolq --items 64 --heads 40 --pairs 10
     python benchmarks/bench_precision.py --tasks boolq --offset 16 --items 32 --heads 0 --pairs 0 --no-plain  # more pairs
+    python benchmarks/bench_precision.py --shape holdout --tasks boolq hellaswag                 # a holdout's call
+    python benchmarks/bench_precision.py --model gemma3-270m --shape transfer --tasks boolq
+
+Shapes (``--shape``): ``stage1``, the full model, ``--heads`` single heads and ``--pairs`` random pairs on the first
+``--items`` discovery items (a stage-1 or stage-2 call); ``holdout``, the full model and one random pair of heads on the
+preset's holdout items (``--items`` of them, if given); ``transfer``, three random pairs on the preset's transfer items.
 
 For each task, the same (item, intervention) pairs -- the full model, ``--heads`` single heads spread over the layers
 (0: all of them) and ``--pairs`` random pairs of heads -- are evaluated by the engine in fp32, in plain bf16 (a bfloat16
 copy of the model) and guarded (:mod:`cel_utils.evaluation.guarded`: its fast pass is fp32 below the ablated layers,
 bf16 in them), without the store, one after the other in this process. It prints, per task: the decisions plain bf16 flips (against fp32, under the primary metric), the decisions
 the guarded path flips (must be 0), the share of pairs the guard rechecked in fp32, its band and largest audited error,
-and the wall time of each (and the ratios fp32 / bf16 and fp32 / guarded). Timings are from one run on a shared
-machine: compare the ratios, not the seconds.
+and the wall time of each (and the ratios fp32 / bf16 and fp32 / guarded), and what a rechecked pair cost against a
+pair of fp32's stacked product (the rechecks' seconds per rechecked pair over fp32's seconds per pair). Timings are from
+one run on a shared machine: compare the ratios, not the seconds.
 """
 from __future__ import annotations
 
@@ -20,8 +27,9 @@ import time
 
 import numpy as np
 
-from cel_utils.config import RunConfig
+from cel_utils.config import TransferConfig
 from cel_utils.evaluation.engine import EngineEvaluator
+from cel_utils.evaluation import guarded
 from cel_utils.evaluation.guarded import Guard, GuardedEvaluator
 from cel_utils.evaluation.precision import bf16_model
 from cel_utils.hardware import machine_summary
@@ -47,14 +55,49 @@ def _flips(reference, candidate) -> int:
                    for a, b in zip(reference, candidate)))
 
 
+class _RecheckClock:
+    """The seconds the guarded precision spends recomputing pairs in fp32 (both of guarded.py's recheck paths)."""
+
+    def __init__(self):
+        self.seconds, self.depth = 0.0, 0  # pair_stats calls batch_pair_stats: count the outer call only
+        self.saved = {name: getattr(guarded, name) for name in ("pair_stats", "batch_pair_stats")}
+
+    def __enter__(self):
+        for name, function in self.saved.items():
+            setattr(guarded, name, self._timed(function))
+        return self
+
+    def _timed(self, function):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            self.depth += 1
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.depth -= 1
+                if not self.depth:
+                    self.seconds += time.perf_counter() - start
+        return timed
+
+    def __exit__(self, *exc):
+        for name, function in self.saved.items():
+            setattr(guarded, name, function)
+
+
 def bench_task(lm, task: str, n_items: int | None, n_heads: int, n_pairs: int, offset: int = 0,
-               plain: bool = True, pair_seed: int = 0) -> dict:
-    config = RunConfig.from_dict({"task": task, "preset": "cpu"})
+               plain: bool = True, pair_seed: int = 0, shape: str = "stage1", model: str | None = None) -> dict:
+    config = TransferConfig.from_dict({"task": task, "preset": "cpu", **({"model": model} if model else {})})
     data = load_task_data(task, config.n_discovery, config.n_holdout, seed=config.seed, num_fewshot=config.num_fewshot,
                           data_dir=config.data_dir)
-    items = data.discovery[offset:offset + n_items] if n_items else data.discovery[offset:]
+    if shape == "stage1":
+        pool, interventions = data.discovery, _interventions(lm.geometry, n_heads, n_pairs, pair_seed)
+    elif shape == "holdout":
+        pool, interventions = data.holdout, _interventions(lm.geometry, 1, 1, pair_seed)[::2]  # full model, a pair
+    else:
+        pool = data.holdout[:config.transfer_items]
+        interventions = _interventions(lm.geometry, 1, 3, pair_seed)[2:]  # three pairs, no full model
+    items = pool[offset:offset + n_items] if n_items else pool[offset:]
     make = functools.partial(EngineEvaluator, task=data.task, items=items, fewshot=data.fewshot, progress=False)
-    interventions = _interventions(lm.geometry, n_heads, n_pairs, pair_seed)
     times, outcomes = {}, {}
     guard = Guard(seed=config.seed)
     runs = {"fp32": lambda: make(lm), "bf16": lambda: make(bf16_model(lm)),
@@ -63,12 +106,16 @@ def bench_task(lm, task: str, n_items: int | None, n_heads: int, n_pairs: int, o
         del runs["bf16"]
     for name, build in runs.items():
         evaluator = build()
-        start = time.perf_counter()
-        outcomes[name] = evaluator.evaluate(interventions)
-        times[name] = time.perf_counter() - start
+        with _RecheckClock() as clock:
+            start = time.perf_counter()
+            outcomes[name] = evaluator.evaluate(interventions)
+            times[name] = time.perf_counter() - start
     record = guard.to_json()
-    return {"task": task, "fewshot": len(data.fewshot), "items": len(items), "interventions": len(interventions),
-            "pairs": len(items) * len(interventions),
+    per_pair = times["fp32"] / (len(items) * len(interventions))
+    return {"task": task, "shape": shape, "model": config.model, "fewshot": len(data.fewshot), "items": len(items),
+            "interventions": len(interventions), "pairs": len(items) * len(interventions),
+            "recheck_s": clock.seconds, "computed_fp32": record["rechecked"] + record["audited"],
+            "recheck_cost": clock.seconds / max(1, record["rechecked"] + record["audited"]) / per_pair,
             "bf16_flips": _flips(outcomes["fp32"], outcomes["bf16"]) if plain else None,
             "guarded_flips": _flips(outcomes["fp32"], outcomes["guarded"]), "share_rechecked": record["share_rechecked"],
             "band": record["band"], "largest_error": record["largest_error"],
@@ -83,27 +130,33 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=0, help="single heads spread over the layers (0: all)")
     parser.add_argument("--pairs", type=int, default=20, help="random pairs of heads")
     parser.add_argument("--pair-seed", type=int, default=0, help="seed of the random pairs (another seed: other pairs)")
+    parser.add_argument("--shape", choices=["stage1", "holdout", "transfer"], default="stage1")
+    parser.add_argument("--model", default=None, help="a model spec (default: the default model)")
     parser.add_argument("--no-plain", dest="plain", action="store_false",
                         help="skip plain bf16 (only fp32 and guarded: more pairs checked per hour)")
     args = parser.parse_args()
     print(machine_summary(), flush=True)
-    lm = load_model(dtype="float32")
+    lm = load_model(args.model, dtype="float32") if args.model else load_model(dtype="float32")
     rows = []
     for task in args.tasks:
-        row = bench_task(lm, task, args.items, args.heads, args.pairs, args.offset, args.plain, args.pair_seed)
+        row = bench_task(lm, task, args.items, args.heads, args.pairs, args.offset, args.plain, args.pair_seed,
+                         args.shape, args.model)
         rows.append(row)
         print(row, flush=True)
-    print("\n| task | items x interventions | plain bf16 flips | guarded flips | share rechecked | band (2x largest error) "
-          "| fp32 s | bf16 s | guarded s | fp32/bf16 | fp32/guarded |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| model | task | shape | items x interventions | plain bf16 flips | guarded flips | share rechecked | band "
+          "(2x largest error) | fp32 s | bf16 s | guarded s | fp32/bf16 | fp32/guarded | fp32 pairs of the guard | "
+          "a recomputed pair / a stacked fp32 pair |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         fell = " (fell back)" if r["fell_back"] else ""
         plain = "bf16_s" in r
-        cells = [f"{r['task']}{' %d-shot' % r['fewshot'] if r['fewshot'] else ''}", f"{r['items']} x {r['interventions']}",
+        cells = [r["model"], f"{r['task']}{' %d-shot' % r['fewshot'] if r['fewshot'] else ''}", r["shape"],
+                 f"{r['items']} x {r['interventions']}",
                  f"{r['bf16_flips']} of {r['pairs']}" if plain else f"- (of {r['pairs']})", f"{r['guarded_flips']}{fell}",
                  f"{r['share_rechecked']:.1%}", f"{r['band']:.3g}", f"{r['fp32_s']:.0f}",
                  f"{r['bf16_s']:.0f}" if plain else "-", f"{r['guarded_s']:.0f}",
-                 f"{r['fp32_s'] / r['bf16_s']:.2f}x" if plain else "-", f"{r['fp32_s'] / r['guarded_s']:.2f}x"]
+                 f"{r['fp32_s'] / r['bf16_s']:.2f}x" if plain else "-", f"{r['fp32_s'] / r['guarded_s']:.2f}x",
+                 str(r["computed_fp32"]), f"{r['recheck_cost']:.2f}x"]
         print("| " + " | ".join(cells) + " |")
 
 

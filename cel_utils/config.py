@@ -183,13 +183,13 @@ class RunConfig:
         if self.revision is not None and check_model_spec(self.model) != "hub":
             raise ValueError(f"revision {self.revision!r} names a hub commit, but model {self.model!r} is not a hub id: "
                              "drop revision")
-        if self.precision in ("guarded", "auto") and self.dtype not in ("auto", "float32", "fp32"):
+        if self.precision == "guarded" and self.dtype not in ("auto", "float32", "fp32"):
             raise ValueError(f"precision {self.precision} rechecks bfloat16's decisions in float32, but dtype is "
                              f"{self.dtype}: use dtype auto or float32, or precision bf16 or fp32")
         if self.precision == "guarded" and self.engine != "fast":
             raise ValueError("precision guarded rechecks single (item, intervention) pairs with the fast engine: use "
                              "engine fast, or precision bf16 or fp32 with the naive engine")
-        if self.ablation == "mean" and self.precision in ("guarded", "auto"):
+        if self.ablation == "mean" and self.precision == "guarded":
             raise ValueError(f"ablation mean with precision {self.precision}: the guarded precision's fp32 rechecks zero "
                              "the heads; use precision fp32 or bf16 with ablation mean")
         if self.stage1 == "screened":

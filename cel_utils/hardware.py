@@ -17,6 +17,10 @@ import torch
 
 # CPU flags (Linux /proc/cpuinfo) that mean native bf16 arithmetic: x86's AMX and AVX512-BF16, Arm's BF16 extension.
 BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
+# CPU flags of a bf16 unit fast enough for the guarded precision to beat fp32 (cel_utils.evaluation.precision): Intel's
+# AMX (a bf16 matmul about 4x fp32's rate; guarded stage 1 of the default model 1.22-1.60x fp32, book/speed.md), not
+# AVX512-BF16 alone (an AMD EPYC, Zen 4: a bf16 matmul 3.0x, the fast pass only 1.6x, guarded 0.9x fp32).
+GUARDED_FLAGS = ("amx_bf16",)
 # The flags a reader of a benchmark needs to place its numbers: vector width and the bf16 / int8 units.
 SHOWN_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "neon", "asimd", "sve", "bf16")
 
@@ -53,6 +57,16 @@ def native_bf16(device: torch.device | str = "cpu") -> bool:
     if flags is None:
         return bf16_time_ratio(str(device)) < 1.0
     return any(flag in flags for flag in BF16_FLAGS)
+
+
+def guarded_pays(device: torch.device | str = "cpu") -> bool:
+    """Whether the guarded precision was measured faster than fp32 on a device of this kind: a CUDA GPU with bf16
+    units, or a CPU with one of :data:`GUARDED_FLAGS`."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return native_bf16(device)
+    flags = cpu_info()["flags"]
+    return flags is not None and any(flag in flags for flag in GUARDED_FLAGS)
 
 
 @functools.lru_cache(maxsize=8)

@@ -27,8 +27,12 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         # tenth of the cost of 4 on all 500. No discovery resamples: the hour went to the second model.
         # The transfer matrix scores 3 other tasks' sets on transfer_items of each holdout (benchmarks/bench_transfer.py:
         # on the whole holdouts it would cost the default model about as much as its four runs).
+        # precision auto: the search in guarded precision where the CPU has bf16 units and the task is one where it
+        # pays (cel_utils.evaluation.precision.resolve_precision), fp32 elsewhere; its decisions are fp32's and the
+        # holdout's evaluations are fp32 (pipeline.protocol.holdout_config), so every number the book prints is the
+        # same on every machine (tests/test_printed_numbers.py).
         "*": dict(n_discovery=128, n_holdout=500, p=3, k=2, stage1="screened", screen="attribution", screen_keep=8,
-                  n_random_sets=4, null_items=50, n_resamples=0, transfer_items=100),
+                  n_random_sets=4, null_items=50, n_resamples=0, transfer_items=100, precision="auto"),
         # arithmetic's items are short and share a 3-shot prefix: it can afford p=5; on it attribution ranks heads by
         # margin changes far from the decision boundary, so it needs the boundary screen
         "arithmetic": dict(num_fewshot=3, p=5, screen="boundary", screen_candidates=60, screen_items=12,

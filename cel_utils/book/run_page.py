@@ -99,7 +99,7 @@ def precision_text(artifact: RunArtifact) -> str:
     audit = record.get("audit")
     if not audit:
         return text
-    text += (f": bf16 with fp32's decisions; {audit['pairs']} pairs, {audit['share_rechecked'] or 0:.1%} rechecked in "
+    text += (f": the search in bf16 with fp32's decisions, the holdout in fp32; on this run's machine {audit['pairs']} pairs, {audit['share_rechecked'] or 0:.1%} rechecked in "
              f"fp32 (band {audit['band']:.3g} = {audit['multiple']:g} x the largest audited error "
              f"{audit['largest_error'] or 0:.3g}), {audit['audited']} audited outside the band, "
              f"{audit['bf16_decisions_caught']} bf16 decisions corrected")

@@ -31,7 +31,8 @@ the shared few-shot prefix is computed once per head set and only from its lowes
 """
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -39,7 +40,7 @@ import torch
 from cel_utils.evaluation.batching import length_batches
 from cel_utils.evaluation.evaluator import Evaluator, Intervention
 from cel_utils.evaluation.layout import Row, after_prefix, layout, repeat_mask, row_inputs
-from cel_utils.evaluation.prefix import (MIN_SHARED_PREFIX, clean_prefix, prefix_cache, prefix_states,
+from cel_utils.evaluation.prefix import (MIN_SHARED_PREFIX, CleanPrefix, clean_prefix, prefix_cache, prefix_states,
                                         shared_prefix_length, sliding_window)
 from cel_utils.models.ablation import ablated_rows, head_mask
 from cel_utils.models.heads import format_heads
@@ -58,6 +59,22 @@ MAX_PADDING = 0.25
 # The prefix's keys and values are copied into every row of a stacked forward: cap their memory.
 PREFIX_CACHE_BYTES = 256 * 2**20
 MIN_TOKEN_BUDGET = 256  # below this, an out-of-memory error is not a budget problem
+
+
+@dataclass
+class BatchPass:
+    """One batch's clean pass, as a call of :meth:`EngineEvaluator.continuation_stats` made it: what a forward of the
+    batch's rows from any kept layer needs (the guarded precision's recheck, :mod:`cel_utils.evaluation.guarded`, reuses
+    it). ``kept[l]`` is the residual stream after layer ``l`` for the layers the call's interventions start above;
+    ``clean`` the last hidden state; ``prefix`` the call's clean pass over the shared prefix, if any."""
+
+    batch: list[int]
+    ids: torch.Tensor
+    positions: torch.Tensor | None
+    attn: torch.Tensor | dict | None
+    kept: dict[int, torch.Tensor]
+    clean: torch.Tensor
+    prefix: CleanPrefix | None
 
 
 # --- The evaluator ----------------------------------------------------------------------------------------
@@ -140,9 +157,14 @@ class EngineEvaluator(Evaluator):
     # Log-likelihood tasks -----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def continuation_stats(self, interventions: Sequence[Intervention], desc: str | None = None
+    def continuation_stats(self, interventions: Sequence[Intervention], desc: str | None = None,
+                           after_batch: Callable[[list[int], BatchPass | None, list], None] | None = None
                            ) -> list[list[ContinuationStats]]:
         """Per intervention, per request: the same statistics the naive path computes.
+
+        ``after_batch(batch, batch_pass, per)``, if given, is called once each batch's statistics are all in ``per``
+        (``per[intervention][item]``), with the batch's clean pass while it is still held (None where the store served
+        the whole batch and none ran).
 
         With a store, each batch first reads what is stored; the clean pass runs only if some forward is
         missing, and each forward's results are written as it finishes. The forwards ("chunks") are cut
@@ -182,6 +204,8 @@ class EngineEvaluator(Evaluator):
                 else:
                     todo.append((layer, chunk))
             if not todo:
+                if after_batch:
+                    after_batch(batch, None, per)
                 continue
             ids, positions, attn = self.batch_inputs(rows)
             with attention_with_mask(self.lm.model, attn), capture_layer_outputs(self.lm.model, wanted) as kept:
@@ -212,6 +236,8 @@ class EngineEvaluator(Evaluator):
                     self._fill(per, [i for i in chunk if labels[i] in stored], batch, labels, stored)  # one value per label
                     self.stored.save_stats(key, counts, new)
                 progress.update(len(chunk))
+            if after_batch:
+                after_batch(batch, BatchPass(batch, ids, positions, attn, kept, clean, prefix_pass), per)
             del kept
         progress.close()
         return per

@@ -45,6 +45,7 @@ class Guard:
 
     def __post_init__(self):
         self.rng = np.random.default_rng(self.seed)
+        self.first_audit_left = self.audit_pairs  # pairs the first audit has still to compute
 
     @property
     def band(self) -> float:
@@ -53,52 +54,20 @@ class Guard:
     def see(self, error: float) -> None:
         self.largest_error = max(self.largest_error or 0.0, error)
 
+    def call(self, shape: tuple[int, int], exact_rows: Sequence[int] = ()) -> "CallCheck":
+        """The guard over one call's ``shape`` = (interventions, items) pairs, taken a part at a time (:class:`CallCheck`);
+        ``exact_rows`` are interventions whose fast numbers are fp32's own (neither audited nor rechecked)."""
+        return CallCheck(self, shape, frozenset(exact_rows))
+
     def check(self, margins: np.ndarray, recheck: Callable[[list[Pair]], list[float]], differs: Callable[[Pair], bool],
               exact_rows: Sequence[int] = ()) -> list[Pair]:
-        """One call's (intervention, item) pairs under the guard: audit, recheck inside the band, count.
-
-        ``margins[u, i]`` is the fast pass's decision margin; ``recheck(pairs)`` computes those pairs in fp32 (the caller
-        keeps the values, which replace the fast ones) and returns each one's margin error; ``differs(pair)`` says
-        whether a pair computed in fp32 was decided otherwise by the fast pass; ``exact_rows`` are interventions whose
-        fast numbers are fp32's own (neither audited nor rechecked). Returns the audited pairs outside the band that
-        were decided otherwise: if any, the evidence was wrong, the call must be fp32's (:meth:`fall_back`)."""
-        margins = np.array(margins, dtype=float)
-        margins[list(exact_rows)] = np.inf
-        done: set = set()
-
-        def compute(todo: list[Pair]) -> None:
-            todo = [pair for pair in todo if pair not in done]
-            for pair, error in zip(todo, recheck(todo)):
-                done.add(pair)
-                self.see(error)
-
-        if self.largest_error is None:  # the first audit: before bf16 is trusted
-            open_pairs = [(u, i) for u, i in np.ndindex(*margins.shape) if u not in exact_rows]
-            sample = self.rng.choice(len(open_pairs), min(len(open_pairs), self.audit_pairs), replace=False)
-            compute([open_pairs[j] for j in sorted(sample)])
-        outside = np.ones(margins.shape, bool)
-        audit: set = set()
-        while True:  # a larger error seen widens the band: recheck what it takes in, until it holds
-            inside = margins <= self.band
-            todo = [(int(u), int(i)) for u, i in zip(*np.nonzero(inside & outside))]
-            outside &= ~inside
-            candidates = [(int(u), int(i)) for u, i in zip(*np.nonzero(outside))
-                          if (u, i) not in done and u not in exact_rows]
-            picked = self.rng.random(len(candidates)) < self.audit_share if candidates else []
-            audit.update(pair for pair, chosen in zip(candidates, picked) if chosen)
-            before = self.band
-            compute(todo + sorted(audit))
-            if self.band <= before:
-                break
-        inside_pairs = [pair for pair in done if not outside[pair]]
-        outside_pairs = [pair for pair in done if outside[pair]]
-        self.pairs += margins.size
-        self.rechecked += len(inside_pairs)
-        self.audited += len(outside_pairs)
-        self.caught += sum(differs(pair) for pair in inside_pairs)
-        differing = sorted(pair for pair in outside_pairs if differs(pair))
-        self.differed += len(differing)
-        return differing
+        """One call's pairs under the guard all at once: :meth:`CallCheck.part` over every pair, then
+        :meth:`CallCheck.finish` (the arguments are theirs)."""
+        margins = np.asarray(margins, dtype=float)
+        check = self.call(margins.shape, exact_rows)
+        pairs = [(int(u), int(i)) for u, i in np.ndindex(*margins.shape)]
+        check.part(pairs, [margins[pair] for pair in pairs], recheck)
+        return check.finish(recheck, differs)
 
     def fall_back(self, reason: str, pairs: int) -> None:
         """The evidence was wrong: the call of ``pairs`` pairs and every later one are computed in fp32."""
@@ -114,3 +83,80 @@ class Guard:
                 "audited": self.audited, "bf16_decisions_caught": self.caught,
                 "audited_decisions_differed": self.differed, "fell_back_to_fp32": self.fell_back,
                 "pairs_after_fall_back": self.fp32_pairs}
+
+
+class CallCheck:
+    """One call's (intervention, item) pairs under the guard, a part at a time: the fast engine hands each batch's pairs
+    over while it still holds the batch's clean pass, so the pairs it must recompute in fp32 run stacked from the kept
+    states, at the cost of a stacked fp32 pair (:mod:`cel_utils.evaluation.guarded`).
+
+    Each part is audited and rechecked against the band as it stands (:meth:`part`); a band widened by a later part
+    takes in pairs of earlier parts, which :meth:`finish` rechecks (without a held pass) before it counts. So every pair
+    inside the final band is fp32's, as if the call had been checked whole. The first audit (``Guard.audit_pairs``
+    random pairs before bf16 is trusted) is drawn from the whole call's pairs, and each part computes its share: drawn
+    from the first parts alone, it would hold only the longest items (the engine's batches come longest first), and
+    each of its pairs would cost 2.7x an average one (BoolQ, 64 items x 21 interventions)."""
+
+    def __init__(self, guard: Guard, shape: tuple[int, int], exact_rows: frozenset[int]):
+        self.guard, self.exact_rows = guard, exact_rows
+        self.margins = np.full(shape, np.nan)  # the fast pass's; NaN until its part came
+        self.done: set[Pair] = set()  # computed in fp32 too
+        self.sample: set[Pair] = set()  # the first audit's pairs in this call, computed as their parts come
+        if guard.first_audit_left:
+            open_pairs = [(u, i) for u, i in np.ndindex(*shape) if u not in exact_rows]
+            sample = guard.rng.choice(len(open_pairs), min(len(open_pairs), guard.first_audit_left), replace=False)
+            guard.first_audit_left -= len(sample)
+            self.sample = {open_pairs[j] for j in sample}
+
+    def _compute(self, todo: list[Pair], recheck: Callable[[list[Pair]], list[float]]) -> None:
+        todo = [pair for pair in todo if pair not in self.done]
+        if todo:
+            for pair, error in zip(todo, recheck(todo)):
+                self.done.add(pair)
+                self.guard.see(error)
+
+    def part(self, pairs: Sequence[Pair], margins: Sequence[float], recheck: Callable[[list[Pair]], list[float]]) -> None:
+        """``pairs`` whose fast ``margins`` just came: audit them, then recheck those inside the band (until it holds).
+
+        ``recheck(pairs)`` computes pairs in fp32 (the caller keeps the values, which replace the fast ones) and
+        returns each one's margin error."""
+        guard = self.guard
+        for pair, margin in zip(pairs, margins):
+            self.margins[pair] = np.inf if pair[0] in self.exact_rows else margin
+        open_pairs = [pair for pair in pairs if pair[0] not in self.exact_rows]
+        todo = [pair for pair in open_pairs if pair in self.sample]  # the first audit's share
+        drawn: set = set()  # each pair outside the band has one chance to be audited
+        while True:  # a larger error seen widens the band: recheck what it takes in, until it holds
+            band = guard.band
+            todo += [pair for pair in open_pairs if self.margins[pair] <= band]
+            fresh = [pair for pair in open_pairs if self.margins[pair] > band and pair not in self.done and pair not in drawn]
+            drawn.update(fresh)
+            picked = guard.rng.random(len(fresh)) < guard.audit_share if fresh else []
+            # one recomputation for all of them: its forwards stack more rows
+            self._compute(list(dict.fromkeys(todo + [pair for pair, chosen in zip(fresh, picked) if chosen])), recheck)
+            todo = []
+            if guard.band <= band:
+                break
+
+    def finish(self, recheck: Callable[[list[Pair]], list[float]], differs: Callable[[Pair], bool]) -> list[Pair]:
+        """After the last part: recheck what a band widened since takes in, and count. ``differs(pair)`` says whether a
+        pair computed in fp32 was decided otherwise by the fast pass. Returns the pairs outside the band, computed in
+        fp32 as evidence, that were decided otherwise: if any, the evidence was wrong and the call must be fp32's
+        (:meth:`Guard.fall_back`)."""
+        guard, margins = self.guard, self.margins
+        if np.isnan(margins).any():
+            raise RuntimeError("the guard's call finished with pairs whose fast margins never came")
+        while True:
+            band = guard.band
+            self._compute([(int(u), int(i)) for u, i in zip(*np.nonzero(margins <= band))], recheck)
+            if guard.band <= band:
+                break
+        inside = [pair for pair in self.done if margins[pair] <= guard.band]
+        outside = [pair for pair in self.done if margins[pair] > guard.band]
+        guard.pairs += margins.size
+        guard.rechecked += len(inside)
+        guard.audited += len(outside)
+        guard.caught += sum(differs(pair) for pair in inside)
+        differing = sorted(pair for pair in outside if differs(pair))
+        guard.differed += len(differing)
+        return differing

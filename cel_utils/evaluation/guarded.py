@@ -1,8 +1,8 @@
 """bfloat16 at float32's word: compute in bf16, recompute in fp32 exactly the decisions bf16 could have got wrong.
 
 A decision can only flip where its margin is smaller than the rounding error. The guarded precision evaluates every
-(item, intervention) pair in a *fast pass* and recomputes in fp32 (:func:`pair_stats`) the pairs whose fast *decision
-margin* lies inside a guard band that bounds the fast pass's error on that margin. The fast pass
+(item, intervention) pair in a *fast pass* and recomputes in fp32 the pairs whose fast *decision margin* lies inside a
+guard band that bounds the fast pass's error on that margin. The fast pass
 (:class:`~cel_utils.evaluation.engine.EngineEvaluator` with ``above``, the engine's one seam for another precision)
 computes in bf16 only what costs: the clean pass, the residual states kept below each ablated layer and the unembedding
 are fp32's, and the stacked ablated layers run on a bf16 copy of the model
@@ -18,6 +18,12 @@ against a whole-model bf16 copy, and the share of pairs inside a 2x band from 23
 * arithmetic (teacher-forced greedy match): the smallest per-token margin of the target (target logit minus the best
   other), whose sign is the decision; its error is the difference of the two precisions' smallest margins.
 
+The rechecks cost what a pair of fp32's stacked product costs: the fast pass hands the guard each batch's pairs while
+it still holds the batch's fp32 clean pass (``after_batch``), and the pairs to recompute run from its kept states,
+stacked as rows by starting layer (:func:`batch_pair_stats`); only pairs that a band widened by a later batch takes in
+are recomputed after the pass, each batch's after a clean pass of its own (:func:`pair_stats`). Before, every recheck
+ran after the whole pass, and a rechecked pair cost 1.2-1.8x a stacked one (book/speed.md).
+
 The band comes from evidence (:class:`Guard`): before bf16 is trusted, a random sample of pairs is computed in both
 precisions, and the band is ``multiple`` times the largest error seen (one band per run: see :class:`Guard` for the
 predictors of the error that were tried and did not narrow it). Every later call
@@ -29,7 +35,9 @@ computed in fp32 (the run *falls back*) and the artifact says so.
 What is exact and what is not. A guarded decision under the primary metric (``correct``, the chosen answer) equals
 fp32's (up to fp32's own float ties, which the fast engine and the naive path share). The numbers beside the decisions
 are not fp32's: a pair outside the band keeps bf16's margin and scores, and its secondary metric (HellaSwag's ``acc``,
-reported beside ``acc_norm``) is bf16's, approximate. The store keeps the fast pass's statistics under a context of
+reported beside ``acc_norm``) is bf16's, approximate. The search reads decisions alone, so a run computes only its
+search guarded and every evaluation of holdout items in fp32 (:func:`cel_utils.pipeline.protocol.holdout_config`): its
+artifact, and every number its pages print, are fp32's (tests/test_printed_numbers.py). The store keeps the fast pass's statistics under a context of
 their own (its key names the bf16 dtype of the ablated layers) and fp32's under fp32's, so neither is ever served as
 the other; guarded outcomes themselves are composed anew from those each call, and the rechecked pairs (stacked
 otherwise than the full product) are not stored. Generation (MBPP) is guarded by
@@ -39,10 +47,9 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-import numpy as np
 import torch
 
-from cel_utils.evaluation.engine import PREFIX_CACHE_BYTES, EngineEvaluator
+from cel_utils.evaluation.engine import PREFIX_CACHE_BYTES, BatchPass, EngineEvaluator
 from cel_utils.evaluation.evaluator import EvaluatorProtocol, Intervention
 from cel_utils.evaluation.guard import Guard, Pair
 from cel_utils.evaluation.guarded_generation import guarded_completions
@@ -92,32 +99,52 @@ class GuardedEvaluator(Wrapper):
         return self.evaluate([heads])[0]
 
     def _guarded(self, unique: list[Intervention], desc: str | None) -> list[Outcome]:
-        rule, task, requests = self.exact.kind.item_decision, self.exact.task, self.exact.requests
-        n = len(requests)
-        stats = self.fast.continuation_stats(unique, desc)
-        margins = np.array([[rule.margin(task, requests[i], s[i]) for i in range(n)] for s in stats])
+        rule, task, requests, guard = self.exact.kind.item_decision, self.exact.task, self.exact.requests, self.guard
         exact: dict[Pair, ContinuationStats] = {}
+        fast: list[list] = []  # the fast pass's statistics, [intervention][item], as its batches finish
 
-        def recheck(pairs: list[Pair]) -> list[float]:
-            for (u, i), value in zip(pairs, pair_stats(self.exact, [(i, unique[u]) for u, i in pairs])):
-                exact[u, i] = value
-            return [rule.margin_error(task, requests[i], stats[u][i], exact[u, i]) for u, i in pairs]
+        def errors(pairs: list[Pair]) -> list[float]:
+            return [rule.margin_error(task, requests[i], fast[u][i], exact[u, i]) for u, i in pairs]
+
+        def recheck(pairs: list[Pair]) -> list[float]:  # each batch's pairs after a clean pass of their own
+            for pair, value in zip(pairs, pair_stats(self.exact, [(i, unique[u]) for u, i in pairs])):
+                exact[pair] = value
+            return errors(pairs)
+
+        # A fast pass on fp32's model (its bf16 copy runs only above the ablated layers) computes the full model in
+        # fp32's own clean pass: exact, neither audited nor rechecked; and its kept states are fp32's, so a batch's
+        # rechecks start from them while the fast pass holds them.
+        own = self.fast.lm is self.exact.lm
+        in_pass = own and self.fast.batches == self.exact.batches
+        check = guard.call((len(unique), len(requests)), [u for u, heads in enumerate(unique) if own and not heads])
+
+        def after_batch(batch: list[int], held: BatchPass | None, per: list) -> None:
+            fast[:] = per
+            pairs = [(u, i) for u in range(len(unique)) for i in batch]
+
+            def recheck_in_pass(todo: list[Pair]) -> list[float]:
+                if held is None or not in_pass:
+                    return recheck(todo)
+                for pair, value in zip(todo, batch_pair_stats(self.exact, held, [(i, unique[u]) for u, i in todo])):
+                    exact[pair] = value
+                return errors(todo)
+
+            check.part(pairs, [rule.margin(task, requests[i], per[u][i]) for u, i in pairs], recheck_in_pass)
+
+        self.fast.continuation_stats(unique, desc, after_batch=after_batch)
 
         def differs(pair: Pair) -> bool:
             u, i = pair
-            return rule.decision(task, requests[i], stats[u][i]) != rule.decision(task, requests[i], exact[u, i])
+            return rule.decision(task, requests[i], fast[u][i]) != rule.decision(task, requests[i], exact[u, i])
 
-        # A fast pass on fp32's model (its bf16 copy runs only above the ablated layers) computes the full model in
-        # fp32's own clean pass: exact, neither audited nor rechecked.
-        own = self.fast.lm is self.exact.lm
-        differing = self.guard.check(margins, recheck, differs, [u for u, heads in enumerate(unique) if own and not heads])
+        differing = check.finish(recheck, differs)
         if differing:
             u, i = differing[0]
-            self.guard.fall_back(f"{task.name}: an audited bf16 decision differed from fp32's outside the band (item "
-                                 f"{requests[i].item_id}, {format_heads(unique[u])}, bf16 margin {margins[u, i]:.4g}, "
-                                 f"band {self.guard.band:.4g})", margins.size)
+            guard.fall_back(f"{task.name}: an audited bf16 decision differed from fp32's outside the band (item "
+                            f"{requests[i].item_id}, {format_heads(unique[u])}, bf16 margin {check.margins[u, i]:.4g}, "
+                            f"band {guard.band:.4g})", check.margins.size)
             return self.exact.evaluate(unique, desc)
-        merged = [[exact.get((u, i), stats[u][i]) for i in range(n)] for u in range(len(unique))]
+        merged = [[exact.get((u, i), fast[u][i]) for i in range(len(requests))] for u in range(len(unique))]
         return [self.exact.decide(per) for per in merged]
 
 
@@ -125,58 +152,72 @@ class GuardedEvaluator(Wrapper):
 def pair_stats(engine: EngineEvaluator, pairs: Sequence[tuple[int, Intervention]]) -> list[ContinuationStats]:
     """The statistics of single (item index, intervention) pairs, without the rest of either's product.
 
-    The guarded precision's recheck, on ``engine`` (fp32's): per batch of the engine's that holds a pair, a clean pass
-    keeps the states below each starting layer (as :meth:`EngineEvaluator.continuation_stats` does), then the pairs run
-    stacked as rows, each with its own item's tokens, kept state and head mask. Nothing is stored: the stacking differs
-    from the full product's, so the numbers agree with it to float rounding, not to the bit.
+    The guarded precision's recheck, on ``engine`` (fp32's), where no clean pass is held: per batch of the engine's that
+    holds a pair, a clean pass keeps the states below each starting layer (as :meth:`EngineEvaluator.continuation_stats`
+    does), then :func:`batch_pair_stats`. Nothing is stored: the stacking differs from the full product's, so the
+    numbers agree with it to float rounding, not to the bit.
     """
-    lm = engine.lm
-    model, geometry, n_layers = lm.model, lm.geometry, lm.geometry.n_layers
+    model = engine.lm.model
     out: list = [None] * len(pairs)
     batch_of = {item: b for b, batch in enumerate(engine.batches) for item in batch}
     by_batch: dict[int, list[int]] = {}
     for p, (item, _) in enumerate(pairs):
         by_batch.setdefault(batch_of[item], []).append(p)
-    start = {p: min(h.layer for h in heads) if heads else n_layers for p, (_, heads) in enumerate(pairs)}
-    prefix_pass = clean_prefix(lm, engine.prefix) if engine.prefix else None  # once per call, for every head set
+    prefix_pass = clean_prefix(engine.lm, engine.prefix) if engine.prefix else None  # once per call, for every head set
     clean_states = [prefix_pass.kv] if engine.prefix else None
     for b, members in sorted(by_batch.items()):
         batch = engine.batches[b]
-        rows = [engine.rows[i] for i in batch]
-        where = {item: r for r, item in enumerate(batch)}
-        wanted = sorted({start[p] - 1 for p in members if 0 < start[p] < n_layers})
-        ids, positions, attn = engine.batch_inputs(rows)
+        wanted = sorted({min(h.layer for h in pairs[p][1]) - 1 for p in members if pairs[p][1]} - {-1})
+        ids, positions, attn = engine.batch_inputs([engine.rows[i] for i in batch])
         with attention_with_mask(model, attn), capture_layer_outputs(model, wanted) as kept:
             clean = base_model(model)(input_ids=ids, position_ids=positions, attention_mask=attn,
                                       **engine.prefix_kwargs(clean_states, len(batch))).last_hidden_state
-        stack = max(1, engine.token_budget // ids.shape[1])
-        if engine.prefix:
-            stack = max(1, min(stack, PREFIX_CACHE_BYTES // engine.prefix_bytes()))
-        for layer in sorted({start[p] for p in members}):
-            # One head set's rows side by side: a chunk computes the shared prefix once per head set it holds
-            # (prefix_states), and scattered pairs of the same set would recompute it in every chunk.
-            group = sorted((p for p in members if start[p] == layer), key=lambda p: pairs[p][1])
-            for s in range(0, len(group), stack):
-                chunk = group[s:s + stack]
-                index = torch.tensor([where[pairs[p][0]] for p in chunk], device=ids.device)
-                if layer == n_layers:
-                    hidden = clean[index]
-                else:
-                    row_masks = torch.stack([head_mask(pairs[p][1], geometry) for p in chunk])
-                    states = (prefix_states(lm, engine.prefix, None, row_masks, len(chunk), prefix_pass)
-                              if engine.prefix else None)
-                    chunk_attn = _rows_of(attn, index)
-                    with attention_with_mask(model, chunk_attn), ablated_rows(model, row_masks, geometry), \
-                            start_at_layer(model, layer, kept[layer - 1][index] if layer > 0 else None):
-                        hidden = base_model(model)(
-                            input_ids=ids[index], attention_mask=chunk_attn,
-                            position_ids=None if positions is None else positions[index],
-                            **engine.prefix_kwargs(states, 1)).last_hidden_state
-                found: list = [None] * len(chunk)
-                engine.collect_stats(found, list(range(len(chunk))), [engine.rows[pairs[p][0]] for p in chunk], hidden)
-                for p, stats in zip(chunk, found):
-                    out[p] = stats
-        del kept
+        held = BatchPass(batch, ids, positions, attn, kept, clean, prefix_pass)
+        for p, stats in zip(members, batch_pair_stats(engine, held, [pairs[p] for p in members])):
+            out[p] = stats
+        del kept, held
+    return out
+
+
+@torch.no_grad()
+def batch_pair_stats(engine: EngineEvaluator, held: BatchPass, pairs: Sequence[tuple[int, Intervention]]
+                     ) -> list[ContinuationStats]:
+    """The statistics of (item index, intervention) pairs whose items are all in ``held``'s batch, from its clean pass:
+    the pairs run stacked as rows by starting layer, each with its own item's tokens, kept state and head mask, under
+    the engine's token budget (so a rechecked pair costs what a pair of the full product costs)."""
+    lm = engine.lm
+    model, geometry, n_layers = lm.model, lm.geometry, lm.geometry.n_layers
+    out: list = [None] * len(pairs)
+    where = {item: r for r, item in enumerate(held.batch)}
+    start = [min(h.layer for h in heads) if heads else n_layers for _, heads in pairs]
+    ids, positions, attn = held.ids, held.positions, held.attn
+    stack = max(1, engine.token_budget // ids.shape[1])
+    if engine.prefix:
+        stack = max(1, min(stack, PREFIX_CACHE_BYTES // engine.prefix_bytes()))
+    for layer in sorted(set(start)):
+        # One head set's rows side by side: a chunk computes the shared prefix once per head set it holds
+        # (prefix_states), and scattered pairs of the same set would recompute it in every chunk.
+        group = sorted((p for p in range(len(pairs)) if start[p] == layer), key=lambda p: pairs[p][1])
+        for s in range(0, len(group), stack):
+            chunk = group[s:s + stack]
+            index = torch.tensor([where[pairs[p][0]] for p in chunk], device=ids.device)
+            if layer == n_layers:
+                hidden = held.clean[index]
+            else:
+                row_masks = torch.stack([head_mask(pairs[p][1], geometry) for p in chunk])
+                states = (prefix_states(lm, engine.prefix, None, row_masks, len(chunk), held.prefix)
+                          if engine.prefix else None)
+                chunk_attn = _rows_of(attn, index)
+                with attention_with_mask(model, chunk_attn), ablated_rows(model, row_masks, geometry), \
+                        start_at_layer(model, layer, held.kept[layer - 1][index] if layer > 0 else None):
+                    hidden = base_model(model)(
+                        input_ids=ids[index], attention_mask=chunk_attn,
+                        position_ids=None if positions is None else positions[index],
+                        **engine.prefix_kwargs(states, 1)).last_hidden_state
+            found: list = [None] * len(chunk)
+            engine.collect_stats(found, list(range(len(chunk))), [engine.rows[pairs[p][0]] for p in chunk], hidden)
+            for p, stats in zip(chunk, found):
+                out[p] = stats
     return out
 
 

@@ -22,16 +22,18 @@ if TYPE_CHECKING:
 
 
 def resolve_precision(precision: str, device: torch.device | str, kind: TaskKind | None = None,
-                      engine: str = "fast") -> str:
+                      engine: str = "fast", ablation: str = "zero", dtype: str = "auto") -> str:
     """``precision`` as it resolves on ``device``, for a task of ``kind`` evaluated by ``engine``.
 
-    ``auto`` is ``guarded`` where ``device`` computes bf16 natively (a CUDA GPU, a CPU with bf16 units), with the fast
-    engine (the guard rechecks single pairs with it), for a kind where guarded was measured faster than fp32
-    (``TaskKind.auto_guarded``: multiple choice, stage 1 of the default model on 2 threads: BoolQ 1.31x, HellaSwag
-    1.22x; book/speed.md); else ``fp32``. Guarded took arithmetic_1dc (short items after a 3-shot prefix, where bf16
-    itself gained 1.33x) 2.0x fp32's time, and MBPP's decoding guard rechecked every row
-    (:mod:`cel_utils.evaluation.guarded_generation`). ``kind`` None: what the device allows, whatever the task. Any
-    other setting resolves to itself."""
+    ``auto`` is ``guarded`` where guarded was measured faster than fp32 (:func:`cel_utils.hardware.guarded_pays`: a
+    CUDA GPU with bf16 units, a CPU with Intel's AMX; not AVX512-BF16 alone, where it was 0.9x fp32), with the fast
+    engine (the guard's rechecks need it), zero-ablation and float32 weights (its rechecks zero heads in fp32), for a
+    kind where guarded paid (``TaskKind.auto_guarded``: multiple choice, stage 1 of the default model on 2 threads of a
+    Xeon with AMX: BoolQ 1.31-1.60x, HellaSwag 1.22-1.36x; book/speed.md); else ``fp32``. Guarded took
+    arithmetic_1dc (short items after a 3-shot prefix, where bf16 itself gained 1.33x) 2.0x fp32's time, and MBPP's
+    decoding guard rechecked every row (:mod:`cel_utils.evaluation.guarded_generation`). ``kind`` None: what the
+    device allows, whatever the task. Any other setting resolves to itself. Whatever ``auto`` resolves to, the numbers
+    a run prints are the same (:func:`cel_utils.pipeline.protocol.holdout_config`); only the time differs."""
     from cel_utils.config import PRECISIONS
 
     if precision not in PRECISIONS:
@@ -40,9 +42,11 @@ def resolve_precision(precision: str, device: torch.device | str, kind: TaskKind
         return precision
     if engine != "fast" or (kind is not None and not kind.auto_guarded):
         return "fp32"
-    from cel_utils.hardware import native_bf16
+    if ablation != "zero" or dtype not in ("auto", "float32", "fp32"):  # the rechecks zero heads, from fp32 weights
+        return "fp32"
+    from cel_utils.hardware import guarded_pays
 
-    return "guarded" if native_bf16(device) else "fp32"
+    return "guarded" if guarded_pays(device) else "fp32"
 
 
 _BF16_COPIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

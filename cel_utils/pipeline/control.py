@@ -10,9 +10,7 @@ ablation. A gain that survives mean-ablation is not an artefact of the zero vect
 """
 from __future__ import annotations
 
-import dataclasses
 
-from cel_utils.config import RunConfig
 from cel_utils.evaluation.evaluator import Evaluator
 from cel_utils.evaluation.means import HeadMeans
 from cel_utils.models.heads import format_heads
@@ -27,12 +25,6 @@ CONTROL_STREAM = 107  # the control's bootstrap intervals
 def control_ablation(ablation: str) -> str:
     """The ablation the control uses: the other one."""
     return "mean" if ablation == "zero" else "zero"
-
-
-def control_config(config: RunConfig, resolved_precision: str) -> RunConfig:
-    """The control's evaluator settings: the run's, except that the guarded precision (whose fp32 rechecks know
-    only zero-ablation) is scored in fp32, the computation guarded reproduces."""
-    return dataclasses.replace(config, precision="fp32") if resolved_precision == "guarded" else config
 
 
 def score_control(evaluator: Evaluator, holdout: HoldoutResult, means: HeadMeans, seed: int) -> dict:

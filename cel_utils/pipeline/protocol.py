@@ -4,6 +4,7 @@ frozen set on the holdout, and write the JSON artifact. The per-run notebook cal
 from __future__ import annotations
 
 import time
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from cel_utils.evaluation.store import EvalStore
 from cel_utils.models.heads import HeadGeometry, format_heads
 from cel_utils.models.loading import LoadedModel, load_model, resolve_device
 from cel_utils.pipeline.artifacts import SCHEMA_VERSION, bits, library_versions, run_info_path, utc_now, write_json
-from cel_utils.pipeline.control import control_config, score_control
+from cel_utils.pipeline.control import score_control
 from cel_utils.pipeline.discovery_flips import discovery_flips
 from cel_utils.pipeline.examples import flip_examples
 from cel_utils.pipeline.schema import RunArtifact
@@ -49,7 +50,8 @@ class CelRun:
 def run_precision(config: RunConfig, device) -> str:
     """``config.precision`` as it resolves on ``device`` for this run's task and engine
     (:func:`cel_utils.evaluation.precision.resolve_precision` decides what ``auto`` means)."""
-    return resolve_precision(config.precision, device, kind_of(get_task(config.task)), config.engine)
+    return resolve_precision(config.precision, device, kind_of(get_task(config.task)), config.engine, config.ablation,
+                             config.dtype)
 
 
 def load_for(config: RunConfig) -> LoadedModel:
@@ -94,6 +96,17 @@ def make_evaluator(lm: LoadedModel, data: TaskData, items, config: RunConfig, pr
     return build(lm)
 
 
+def holdout_config(config: RunConfig, device: torch.device | str) -> RunConfig:
+    """The settings of every evaluator of holdout items (the holdout, the control, the random-set null; the transfer
+    matrix's cells): the run's, except that a run whose precision resolves to guarded scores them in fp32.
+
+    Guarded keeps fp32's decisions under the primary metric, which is all the search reads, but not the numbers beside
+    them (margins, HellaSwag's secondary ``acc``), which the holdout's pages print; its rechecks also know only
+    zero-ablation (the control may mean-ablate). And a holdout call is the full model, fp32's own under guarded, and one
+    set, where it saves least. So every number measured on the holdout is fp32's on every machine."""
+    return dataclasses.replace(config, precision="fp32") if run_precision(config, device) == "guarded" else config
+
+
 def precision_record(config: RunConfig, lm: LoadedModel, guard: Guard | None) -> dict:
     """What the artifact says about the precision: the setting, what it resolved to here, and the guard's audit."""
     precision = run_precision(config, lm.device)
@@ -126,9 +139,10 @@ def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool | s
     search_means = means if config.ablation == "mean" else None
     start = time.perf_counter()
     # Every evaluator is built (its items tokenized) before the search: a bad item fails now, not hours later.
-    holdout_evaluator = make_evaluator(lm, data, data.holdout, config, progress, store, guard, search_means)
-    control_evaluator = make_evaluator(lm, data, data.holdout, control_config(config, run_precision(config, lm.device)),
-                                       progress, store, None, None if search_means is not None else means)
+    on_holdout = holdout_config(config, lm.device)  # fp32 where the search is guarded
+    holdout_evaluator = make_evaluator(lm, data, data.holdout, on_holdout, progress, store, None, search_means)
+    control_evaluator = make_evaluator(lm, data, data.holdout, on_holdout, progress, store, None,
+                                       None if search_means is not None else means)
     # The table keeps every per-item outcome of the search, which the stability analysis resamples.
     discovery = OutcomeTable(make_evaluator(lm, data, data.discovery, config, progress, store, guard, search_means))
     screen = (run_screen(config.screen, discovery, candidates=config.screen_candidates, items=config.screen_items)
@@ -154,8 +168,7 @@ def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool | s
     null_indices = null_evaluator = None
     if config.n_random_sets and config.null_items is not None and config.null_items < len(data.holdout):
         null_indices = null_item_indices(len(data.holdout), config.null_items, config.seed)
-        null_evaluator = make_evaluator(lm, data, [data.holdout[i] for i in null_indices], config, progress, store,
-                                        guard)
+        null_evaluator = make_evaluator(lm, data, [data.holdout[i] for i in null_indices], on_holdout, progress, store)
     reliability = assess_run(search, holdout, discovery, holdout_evaluator, n_random_sets=config.n_random_sets,
                              n_resamples=config.n_resamples, resample=config.resample, seed=config.seed,
                              calibration=calibration, null_evaluator=null_evaluator, null_indices=null_indices,

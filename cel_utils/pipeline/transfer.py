@@ -129,7 +129,7 @@ def run_transfer(results_dir: str | Path, model: str, seed: int, tasks: Iterable
     (default: every task it has an artifact for) from the runs' artifacts in ``results_dir``; write it atomically."""
     from cel_utils.evaluation.store import EvalStore
     from cel_utils.models.loading import display_name
-    from cel_utils.pipeline.protocol import load_for, make_evaluator
+    from cel_utils.pipeline.protocol import holdout_config, load_for, make_evaluator
     from cel_utils.tasks.splits import load_task_data
 
     start = time.perf_counter()
@@ -183,7 +183,8 @@ def run_transfer(results_dir: str | Path, model: str, seed: int, tasks: Iterable
         indices = transfer_item_indices(len(data.holdout), config.transfer_items, seed)
         if config.cache and store is None:
             store = EvalStore()
-        evaluator = make_evaluator(lm, data, [data.holdout[i] for i in indices], config, progress, store)
+        evaluator = make_evaluator(lm, data, [data.holdout[i] for i in indices], holdout_config(config, lm.device),
+                                   progress, store)
         sets = [[parse_head(x) for x in runs[s]["holdout"]["heads"]] for s in sources]
         say(f"transfer: {name} on {target}: {len(sources)} other task(s)' frozen sets on {len(indices)} of "
             f"{len(data.holdout)} holdout items")
