@@ -106,9 +106,9 @@ class RunConfig:
                             choices=ABLATIONS)
     precision: str = setting("fp32", "what the evaluations compute in: fp32 (the model as loaded, float32 unless dtype "
                              "says otherwise), bf16 (a bfloat16 copy; approximate: rounding flips ~1% of decisions), "
-                             "guarded (bf16, with fp32 recomputing every decision bf16's audited error could flip: fp32's "
-                             "decisions), auto (guarded where the device computes bf16 natively, for multiple-choice "
-                             "tasks; else fp32); see "
+                             "guarded (the search in bf16, with fp32 recomputing every decision bf16's audited error "
+                             "could flip, and the holdout in fp32: fp32's numbers), auto (guarded where it was measured "
+                             "faster: multiple-choice tasks on a CUDA GPU or a CPU with AMX; else fp32); see "
                              "cel_utils.evaluation.precision", choices=PRECISIONS)
     cache: bool = setting(True, "keep every finished evaluation in the store under $CEL_CACHE_DIR (a killed run "
                           "resumes); off: compute everything afresh and store nothing", results=False)
