@@ -12,7 +12,7 @@ import yaml
 from cel_utils.book import paper_comparison, results_page, run_page, strategies_page, text
 from cel_utils.book.build import BookPaths, toc_dict
 from cel_utils.book.titles import run_title
-from cel_utils.pipeline import schema
+from cel_utils.pipeline import schema, stats_schema
 from cel_utils.pipeline.artifacts import load_artifacts, write_json
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,7 +57,7 @@ def make_artifact(model="tiny-model", task="arithmetic_2da", seed=0, full=0.5, a
 
 def reliability(**parts) -> dict:
     """A reliability section with the given parts, the others absent (None), as the schema has it."""
-    return {**dict.fromkeys(schema.Reliability.__required_keys__), **parts}
+    return {**dict.fromkeys(stats_schema.Reliability.__required_keys__), **parts}
 
 
 def floors(**parts) -> dict:

@@ -1,6 +1,6 @@
-"""The artifact's schema (cel_utils/pipeline/schema.py) is the one contract between runs and what reads them: every key
-read from an artifact is one it declares (mypy over the readers), every file read goes through it, and version 1 is read
-in one migration."""
+"""The artifact's schema (cel_utils/pipeline/schema.py, its statistical sections in stats_schema.py) is the one contract
+between runs and what reads them: every key read from an artifact is one it declares (mypy over the readers), every
+file read goes through it, and version 1 is read in one migration."""
 import ast
 import json
 import shutil
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cel_utils.config import RunConfig
-from cel_utils.pipeline import schema
+from cel_utils.pipeline import schema, stats_schema
 from cel_utils.pipeline.artifacts import read_artifact, write_json
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,9 +68,10 @@ def test_every_key_read_with_get_is_declared():
     import typing
 
     declared = {f.name for f in fields(RunConfig)}
-    for name in dir(schema):
-        if typing.is_typeddict(getattr(schema, name)):
-            declared |= set(typing.get_type_hints(getattr(schema, name)))
+    for module in (schema, stats_schema):
+        for name in dir(module):
+            if typing.is_typeddict(getattr(module, name)):
+                declared |= set(typing.get_type_hints(getattr(module, name)))
     unknown = []
     for path in _reader_files():
         allowed = declared | NOT_ARTIFACT_KEYS.get(str(path.relative_to(REPO)), set())
@@ -146,3 +147,16 @@ def test_the_results_page_reads_version_1_artifacts():
     for artifact in artifacts:
         assert run_page.key_result(artifact).startswith("```{admonition} Key result")
         assert run_page.control_sentence(artifact) == "" and run_page.floor_rows(artifact) == []
+
+
+def test_the_stored_paired_test_is_the_one_the_statistics_write():
+    """stats_schema.PairedTest is the JSON type of stats.significance.PairedTest.to_json(): the same keys, so a field
+    added to one and not the other fails here rather than in a reader."""
+    import numpy as np
+
+    from cel_utils.stats.significance import paired_test
+
+    rng = np.random.default_rng(0)
+    written = paired_test(rng.random(40) < 0.5, rng.random(40) < 0.6, n_resamples=50).to_json()
+    assert set(written) == set(stats_schema.PairedTest.__annotations__)
+    assert stats_schema.PairedTest.__required_keys__ == frozenset(written)

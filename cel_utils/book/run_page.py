@@ -7,7 +7,8 @@ from pathlib import Path
 import pandas as pd
 
 from cel_utils.book.text import ci_text, ordinal, p_is, p_text, provenance_text, rer_text, styled, transition_text
-from cel_utils.pipeline.schema import Floors, Margin, PairedTest, Power, RunArtifact, Verdict
+from cel_utils.pipeline.schema import Floors, RunArtifact
+from cel_utils.pipeline.stats_schema import Margin, PairedTest, Power, Verdict
 from cel_utils.tasks.scoring import relative_error_reduction
 
 
