@@ -209,3 +209,30 @@ def test_the_words_name_a_trade_only_where_both_tests_are_significant():
     assert "helps" not in text.replace("helps its own task", "")
     assert "On a (18 of 200 answers changed)" not in text  # 18 changes are enough to test: not "underpowered"
     assert "b (`L0.H0`) shows no significant change on its own holdout (+0.5 points)" in text
+
+
+def test_a_guarded_runs_transfer_cells_are_scored_in_fp32(runs, lm, tmp_path, monkeypatch):
+    """Issue 46: a transfer cell scores holdout items, which are fp32's where the run's search was guarded
+    (protocol.holdout_config), so the matrix is the same numbers on every machine."""
+    import json
+    import shutil
+
+    from cel_utils.pipeline import protocol
+
+    copy = tmp_path / "results"
+    shutil.copytree(runs, copy, ignore=shutil.ignore_patterns("transfer"))
+    for path in copy.glob("*.json"):  # the same runs, as a guarded search would have recorded them
+        artifact = json.loads(path.read_text())
+        artifact["config"]["precision"] = "guarded"
+        path.write_text(json.dumps(artifact))
+    precisions = []
+    original = protocol.make_evaluator
+
+    def recording(lm, data, items, config, *args, **kwargs):
+        precisions.append((config.precision, protocol.run_precision(config, lm.device)))
+        return original(lm, data, items, config, *args, **kwargs)
+
+    monkeypatch.setattr(protocol, "make_evaluator", recording)
+    run_transfer(copy, MODEL, SEED, TASKS, given={"transfer_items": 4, "cache": False}, lm=lm, progress=False,
+                 say=lambda _: None)
+    assert precisions == [("fp32", "fp32")] * len(TASKS)
