@@ -45,11 +45,11 @@ def _flips(reference, candidate) -> int:
                for ref, out in zip(reference, candidate))
 
 
-def _perturbed(lm, scale: float = 0.3):
+def _perturbed(lm, scale: float = 0.3, seed: int = 0):
     """A copy of ``lm`` with noise on its weights: a stand-in for bf16 that is wrong far more often than bf16 is on a tiny
     random model (where bf16 moves no decision), so that a band too small meets decisions it got wrong."""
     model = copy.deepcopy(lm.model)
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(scale * parameter.std().nan_to_num(0) * torch.randn(parameter.shape, generator=generator))

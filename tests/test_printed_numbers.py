@@ -6,13 +6,12 @@ must be the same bytes in both precisions, apart from the record of the precisio
 from it. To make the test able to fail, the fast pass here is not bf16 on a tiny random model (where bf16 moves no
 decision) but a perturbed copy of the model that gets decisions wrong, which the guard must catch.
 """
-import copy
-import dataclasses
+import functools
 import json
 import re
 
 import pytest
-import torch
+from test_precision import _perturbed  # noisy weights: a stand-in for bf16 that gets decisions wrong
 
 from cel_utils.book import results_page, run_page
 from cel_utils.config import RunConfig
@@ -26,16 +25,6 @@ from cel_utils.pipeline.schema import from_json
 PAGE_PARTS = ("weights_text", "stage1_text", "pool_table", "stage2_table", "holdout_table", "holdout_sentence",
               "selection_note", "verdict_sentence", "reliability_sentence", "reliability_table", "stability_table",
               "flip_table", "floors_table", "answer_profile", "control_sentence", "key_result")
-
-
-def _noisy(lm, scale: float = 0.1):
-    """A stand-in for the bf16 copy: the model with noise on its weights, wrong on some decisions."""
-    model = copy.deepcopy(lm.model)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(scale * parameter.std().nan_to_num(0) * torch.randn(parameter.shape, generator=generator))
-    return dataclasses.replace(lm, model=model)
 
 
 def _printed(artifact) -> dict[str, str]:
@@ -63,7 +52,7 @@ def test_every_printed_number_is_the_same_in_fp32_and_guarded(tiny_models, data_
         return guards[-1]
 
     monkeypatch.setattr(protocol, "Guard", guard)
-    monkeypatch.setattr(protocol, "bf16_model", _noisy)
+    monkeypatch.setattr(protocol, "bf16_model", functools.partial(_perturbed, scale=0.1, seed=1))  # wrong at times
     guarded = run_cel(RunConfig(**settings, precision="guarded", results_dir="guarded"), lm=lm, progress=False)
     reference, artifact = (json.loads(run.artifact.read_text()) for run in (fp32, guarded))
     audit = artifact["precision"]["audit"]
