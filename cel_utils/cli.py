@@ -344,7 +344,7 @@ def _list_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _list_lmeval(part: str) -> int:
-    from cel_utils.tasks.lmeval import KINDS
+    from cel_utils.tasks.lmeval_declared import KINDS
     from cel_utils.tasks.lmeval_registry import PREFIX, lmeval_version, search
 
     rows = search(part)
