@@ -14,7 +14,8 @@ For each task, the same (item, intervention) pairs -- the full model, ``--heads`
 (0: all of them) and ``--pairs`` random pairs of heads -- are evaluated by the engine in fp32, in plain bf16 (a bfloat16
 copy of the model) and guarded (:mod:`cel_utils.evaluation.guarded`: its fast pass is fp32 below the ablated layers,
 bf16 in them), without the store, one after the other in this process. It prints, per task: the decisions plain bf16 flips (against fp32, under the primary metric), the decisions
-the guarded path flips (must be 0), the share of pairs the guard rechecked in fp32, its band and largest audited error,
+the guarded path flips (must be 0), the share of pairs the guard rechecked in fp32, its bands (per third of the layers
+by the first ablated layer, lowest first; one band where no pair had a depth, as in decoding),
 and the wall time of each (and the ratios fp32 / bf16 and fp32 / guarded), and what a rechecked pair cost against a
 pair of fp32's stacked product (the rechecks' seconds per rechecked pair over fp32's seconds per pair). Timings are from
 one run on a shared machine: compare the ratios, not the seconds.
@@ -120,7 +121,7 @@ def bench_task(lm, task: str, n_items: int | None, n_heads: int, n_pairs: int, o
                              if clock.seconds else None),
             "bf16_flips": _flips(outcomes["fp32"], outcomes["bf16"]) if plain else None,
             "guarded_flips": _flips(outcomes["fp32"], outcomes["guarded"]), "share_rechecked": record["share_rechecked"],
-            "band": record["band"], "largest_error": record["largest_error"],
+            "band": record["band"], "depth_bands": record.get("depth_bands"), "largest_error": record["largest_error"],
             "fell_back": record["fell_back_to_fp32"], **{f"{k}_s": v for k, v in times.items()}}
 
 
@@ -145,8 +146,8 @@ def main() -> None:
                          args.shape, args.model)
         rows.append(row)
         print(row, flush=True)
-    print("\n| model | task | shape | items x interventions | plain bf16 flips | guarded flips | share rechecked | band "
-          "(2x largest error) | fp32 s | bf16 s | guarded s | fp32/bf16 | fp32/guarded | fp32 pairs of the guard | "
+    print("\n| model | task | shape | items x interventions | plain bf16 flips | guarded flips | share rechecked | bands "
+          "(2x largest error; per third) | fp32 s | bf16 s | guarded s | fp32/bf16 | fp32/guarded | fp32 pairs of the guard | "
           "a recomputed pair / a stacked fp32 pair |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -155,7 +156,7 @@ def main() -> None:
         cells = [r["model"], f"{r['task']}{' %d-shot' % r['fewshot'] if r['fewshot'] else ''}", r["shape"],
                  f"{r['items']} x {r['interventions']}",
                  f"{r['bf16_flips']} of {r['pairs']}" if plain else f"- (of {r['pairs']})", f"{r['guarded_flips']}{fell}",
-                 f"{r['share_rechecked']:.1%}", f"{r['band']:.3g}", f"{r['fp32_s']:.0f}",
+                 f"{r['share_rechecked']:.1%}", " / ".join(f"{b:.3g}" for b in r["depth_bands"] or [r["band"]]), f"{r['fp32_s']:.0f}",
                  f"{r['bf16_s']:.0f}" if plain else "-", f"{r['guarded_s']:.0f}",
                  f"{r['fp32_s'] / r['bf16_s']:.2f}x" if plain else "-", f"{r['fp32_s'] / r['guarded_s']:.2f}x",
                  str(r["computed_fp32"]), "-" if r["recheck_cost"] is None else f"{r['recheck_cost']:.2f}x"]

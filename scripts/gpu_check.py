@@ -557,7 +557,8 @@ def stage1_timing(lm: LoadedModel, name: str, items: list[Item]) -> dict:
             "fp32_over_guarded": seconds["fp32"] / seconds["guarded"], **{f"{p}_peak_gib": g for p, g in peak.items()},
             "bf16_flips": bf16_flips[0], "guarded_flips": guarded_flips[0],
             "guarded_flips_outside_ties": guarded_flips[1], "fp32_ties": guarded_flips[2],
-            "share_rechecked": audit["share_rechecked"], "band": audit["band"], "largest_error": audit["largest_error"],
+            "share_rechecked": audit["share_rechecked"], "band": audit["band"], "depth_bands": audit.get("depth_bands"),
+            "largest_error": audit["largest_error"],
             "fell_back": audit["fell_back_to_fp32"], "holds": guarded_flips[1] == 0}
 
 

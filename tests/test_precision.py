@@ -11,6 +11,7 @@ import torch
 from cel_utils.book import run_page
 from cel_utils.config import RunConfig
 from cel_utils.evaluation.engine import EngineEvaluator
+from cel_utils.evaluation.guard import DEPTH_GROUPS, GROUP_EVIDENCE, depth_group
 from cel_utils.evaluation.guarded import Guard, GuardedEvaluator
 from cel_utils.evaluation.kinds import kind_of
 from cel_utils.evaluation.precision import bf16_model, resolve_precision
@@ -196,6 +197,9 @@ def test_rechecks_run_inside_the_fast_pass_and_give_the_scattered_rechecks_numbe
     guard.see(1.0)
     outcomes = GuardedEvaluator(exact, make(lm, above=bf16_model(lm)), guard).evaluate(interventions)
     assert scattered == [] and guard.rechecked == (len(interventions) - 1) * len(data.discovery)
+    # each pair's error counted in the third of the layers its intervention starts in
+    thirds = [depth_group(min(h.layer for h in heads), lm.geometry.n_layers) for heads in interventions[1:]]
+    assert guard.to_json()["depth_evidence"] == [thirds.count(d) * len(data.discovery) for d in range(DEPTH_GROUPS)]
     monkeypatch.undo()
     # in the order the guard hands them over (batch by batch; rows stacked in another order round otherwise)
     pairs = [(i, heads) for batch in exact.batches for heads in interventions[1:] for i in batch]
@@ -233,3 +237,39 @@ def test_a_band_widened_by_a_later_batch_rechecks_the_earlier_ones():
     assert len(recomputed) == len(set(recomputed))  # no pair computed twice
     assert guard.rechecked == len(inside) and guard.audited == len(set(recomputed) - inside) and differing == []
     assert guard.pairs == margins.size
+
+
+def test_each_third_of_the_layers_has_its_own_band():
+    """A large error among interventions that start low in the model widens their band alone: pairs starting higher keep
+    the band of their own errors, and every pair inside its own band, and none outside it, counts as rechecked."""
+    rng = np.random.default_rng(1)
+    depths = [None, 0, 0, 1, 1, 2, 2]  # the full model's row is exact
+    margins = rng.uniform(0, 1, (len(depths), 60))
+    error = np.where(np.array([d == 0 for d in depths])[:, None], 0.2, np.full(margins.shape, 0.01))
+    error[1, 7] = 0.3
+    guard = Guard(audit_pairs=300, audit_share=0.0)  # of 360 open pairs: every third well past GROUP_EVIDENCE
+    computed: list = []
+
+    def recheck(pairs):
+        computed.extend(pairs)
+        return [float(error[pair]) for pair in pairs]
+
+    differing = guard.check(margins, recheck, lambda pair: False, exact_rows=[0], depths=depths)
+    if (1, 7) not in computed:
+        pytest.skip("the large error was not drawn into the audit")
+    assert [guard.depth_band(d) for d in range(3)] == pytest.approx([0.6, 0.02, 0.02])
+    bands = np.array([0.0] + [guard.depth_band(d) for d in depths[1:]])
+    inside = {(int(u), int(i)) for u, i in zip(*np.nonzero(margins <= bands[:, None])) if u != 0}
+    assert inside <= set(computed) and guard.rechecked == len(inside) and differing == []
+    # one band for the run would have rechecked the higher thirds' pairs up to 0.6 as well
+    assert guard.rechecked < int((margins[1:] <= guard.band).sum())
+
+
+def test_a_third_with_little_evidence_has_the_widest_band():
+    guard = Guard()
+    guard.see(0.3, 0)
+    for _ in range(GROUP_EVIDENCE - 1):
+        guard.see(0.01, 1)
+    assert guard.depth_band(1) == guard.band == pytest.approx(0.6) and guard.depth_band(None) == guard.band
+    guard.see(0.01, 1)
+    assert guard.depth_band(1) == pytest.approx(0.02) and guard.depth_band(2) == guard.band

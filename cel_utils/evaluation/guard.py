@@ -1,4 +1,4 @@
-"""The evidence about bf16's error in one guarded run (:class:`Guard`): the audit, the guard band, the rechecks and the
+"""The evidence about bf16's error in one guarded run (:class:`Guard`): the audit, the guard bands, the rechecks and the
 fall-back, shared by the log-likelihood guard (:mod:`cel_utils.evaluation.guarded`) and the decoding guard
 (:mod:`cel_utils.evaluation.guarded_generation`), which is why it sits in a module of its own.
 """
@@ -14,6 +14,11 @@ import numpy as np
 SAFETY_MULTIPLE = 2.0
 AUDIT_PAIRS = 256  # pairs computed in both precisions before bf16 is trusted
 AUDIT_SHARE = 0.02  # of the pairs outside the band, in every later call
+# The log-likelihood guard's bands: one per third of the layers, by the intervention's first ablated layer (the fast
+# pass computes the layers from there up in bf16). A third's band is its own once this many of its pairs were computed
+# in both precisions; until then it is the run's widest (multiple x the largest error seen anywhere).
+DEPTH_GROUPS = 3
+GROUP_EVIDENCE = 32
 
 
 # --- the guard -------------------------------------------------------------------------------------------------
@@ -21,20 +26,37 @@ AUDIT_SHARE = 0.02  # of the pairs outside the band, in every later call
 Pair = tuple[int, int]  # (intervention index, item index) within one call
 
 
+def depth_group(first_layer: int, n_layers: int, groups: int = DEPTH_GROUPS) -> int:
+    """The third (of ``groups`` equal parts) of the layers where an intervention's first ablated layer lies (0: the
+    lowest, the most layers in bf16)."""
+    return min(groups - 1, first_layer * groups // n_layers)
+
+
 @dataclasses.dataclass
 class Guard:
     """The evidence about bf16's error in one run, shared by the run's evaluators, and what it decided.
 
-    One band per run: each run's guard sees one task. Scaling the band by what might drive the error did not narrow it
-    on the default model: the answer's token count or the context's length (the share of pairs inside a 2x band stayed
-    23-30%, or grew), each item's own full-model error (38-84%), the number of layers computed in bf16 (HellaSwag, 24
-    items x 40 heads: 28% -> 26%); even each item's own largest error, known in advance, would leave 22%."""
+    Each run's guard sees one task. A pair's band is ``multiple`` times the largest error audited among pairs whose
+    intervention starts in the same third of the layers (:func:`depth_group`; the decoding guard, and a fast pass that
+    is bf16 throughout, pass no depth and get the run's band). With one band per run, one unlucky pair set it for every
+    pair. Replayed over 200 random first audits on 24-32 items x 24-30 interventions of each log-likelihood task
+    (benchmarks/bench_guard_band.py, book/speed.md), a band per third took the share of pairs inside a 2x band from
+    19.1% to 14.3% (BoolQ), 27.5% to 22.1% (HellaSwag) and 10.6% to 7.5% (3-shot arithmetic) on the default model, and
+    from 5.4-11.8% to 3.1-9.0% on Gemma 3 270M. No replay left a differing decision outside a band; pairs whose error
+    exceeded their band (the audit's premise broken, the decision still right) were 0.31 per replay on the default
+    model's HellaSwag (0.25 with one band) and 0.36 on its arithmetic (0.02), none elsewhere: the later audits and the
+    fall-back stay what makes it safe. Four or six parts narrowed it little more and let more errors past. Scaling one
+    band by other predictors did not narrow it: the answer's token count or the context's length (23-30% stayed, or
+    grew), each item's own full-model error (38-84%), the number of bf16 layers as a linear scale (HellaSwag, 24 items
+    x 40 heads: 28% -> 26%)."""
 
     multiple: float = SAFETY_MULTIPLE
     audit_pairs: int = AUDIT_PAIRS
     audit_share: float = AUDIT_SHARE
     seed: int = 0
     largest_error: float | None = None  # the largest margin error seen; None before the first audit
+    largest_by_depth: dict[int, float] = dataclasses.field(default_factory=dict)  # per depth_group
+    seen_by_depth: dict[int, int] = dataclasses.field(default_factory=dict)  # errors seen per depth_group
     pairs: int = 0  # (item, intervention) pairs decided under the guard
     rechecked: int = 0  # of them, inside the band: recomputed in fp32
     audited: int = 0  # of them, outside the band but computed in fp32 too, as evidence
@@ -49,22 +71,34 @@ class Guard:
 
     @property
     def band(self) -> float:
+        """The run's widest band: ``multiple`` times the largest error seen anywhere."""
         return self.multiple * (self.largest_error or 0.0)
 
-    def see(self, error: float) -> None:
-        self.largest_error = max(self.largest_error or 0.0, error)
+    def depth_band(self, depth: int | None) -> float:
+        """The band of pairs whose intervention starts in third ``depth`` of the layers (None: the run's band)."""
+        if depth is None or self.seen_by_depth.get(depth, 0) < GROUP_EVIDENCE:
+            return self.band
+        return self.multiple * self.largest_by_depth[depth]
 
-    def call(self, shape: tuple[int, int], exact_rows: Sequence[int] = ()) -> "CallCheck":
+    def see(self, error: float, depth: int | None = None) -> None:
+        self.largest_error = max(self.largest_error or 0.0, error)
+        if depth is not None:
+            self.largest_by_depth[depth] = max(self.largest_by_depth.get(depth, 0.0), error)
+            self.seen_by_depth[depth] = self.seen_by_depth.get(depth, 0) + 1
+
+    def call(self, shape: tuple[int, int], exact_rows: Sequence[int] = (),
+             depths: Sequence[int | None] | None = None) -> "CallCheck":
         """The guard over one call's ``shape`` = (interventions, items) pairs, taken a part at a time (:class:`CallCheck`);
-        ``exact_rows`` are interventions whose fast numbers are fp32's own (neither audited nor rechecked)."""
-        return CallCheck(self, shape, frozenset(exact_rows))
+        ``exact_rows`` are interventions whose fast numbers are fp32's own (neither audited nor rechecked); ``depths``
+        each intervention's :func:`depth_group` (None: the run's band for all)."""
+        return CallCheck(self, shape, frozenset(exact_rows), depths)
 
     def check(self, margins: np.ndarray, recheck: Callable[[list[Pair]], list[float]], differs: Callable[[Pair], bool],
-              exact_rows: Sequence[int] = ()) -> list[Pair]:
+              exact_rows: Sequence[int] = (), depths: Sequence[int | None] | None = None) -> list[Pair]:
         """One call's pairs under the guard all at once: :meth:`CallCheck.part` over every pair, then
         :meth:`CallCheck.finish` (the arguments are theirs)."""
         margins = np.asarray(margins, dtype=float)
-        check = self.call(margins.shape, exact_rows)
+        check = self.call(margins.shape, exact_rows, depths)
         pairs = [(int(u), int(i)) for u, i in np.ndindex(*margins.shape)]
         check.part(pairs, [margins[pair] for pair in pairs], recheck)
         return check.finish(recheck, differs)
@@ -78,6 +112,9 @@ class Guard:
 
     def to_json(self) -> dict:
         return {"multiple": self.multiple, "band": self.band, "largest_error": self.largest_error,
+                "depth_bands": [self.depth_band(d) for d in range(DEPTH_GROUPS)] if self.seen_by_depth else None,
+                "depth_evidence": [self.seen_by_depth.get(d, 0) for d in range(DEPTH_GROUPS)] if self.seen_by_depth
+                else None,
                 "initial_audit_pairs": self.audit_pairs, "audit_share": self.audit_share, "pairs": self.pairs,
                 "rechecked": self.rechecked, "share_rechecked": self.rechecked / self.pairs if self.pairs else None,
                 "audited": self.audited, "bf16_decisions_caught": self.caught,
@@ -97,8 +134,12 @@ class CallCheck:
     from the first parts alone, it would hold only the longest items (the engine's batches come longest first), and
     each of its pairs would cost 2.7x an average one (BoolQ, 64 items x 21 interventions)."""
 
-    def __init__(self, guard: Guard, shape: tuple[int, int], exact_rows: frozenset[int]):
+    def __init__(self, guard: Guard, shape: tuple[int, int], exact_rows: frozenset[int],
+                 depths: Sequence[int | None] | None = None):
         self.guard, self.exact_rows = guard, exact_rows
+        self.depths = list(depths) if depths is not None else [None] * shape[0]
+        if len(self.depths) != shape[0]:
+            raise ValueError(f"the guard's call has {shape[0]} interventions but {len(self.depths)} depths")
         self.margins = np.full(shape, np.nan)  # the fast pass's; NaN until its part came
         self.done: set[Pair] = set()  # computed in fp32 too
         self.sample: set[Pair] = set()  # the first audit's pairs in this call, computed as their parts come
@@ -108,15 +149,23 @@ class CallCheck:
             guard.first_audit_left -= len(sample)
             self.sample = {open_pairs[j] for j in sample}
 
+    def bands(self) -> np.ndarray:
+        """Each intervention's band as the evidence stands."""
+        return np.array([self.guard.depth_band(depth) for depth in self.depths])
+
+    def band(self, row: int) -> float:
+        return self.guard.depth_band(self.depths[row])
+
     def _compute(self, todo: list[Pair], recheck: Callable[[list[Pair]], list[float]]) -> None:
         todo = [pair for pair in todo if pair not in self.done]
         if todo:
             for pair, error in zip(todo, recheck(todo)):
                 self.done.add(pair)
-                self.guard.see(error)
+                self.guard.see(error, self.depths[pair[0]])
 
     def part(self, pairs: Sequence[Pair], margins: Sequence[float], recheck: Callable[[list[Pair]], list[float]]) -> None:
-        """``pairs`` whose fast ``margins`` just came: audit them, then recheck those inside the band (until it holds).
+        """``pairs`` whose fast ``margins`` just came: audit them, then recheck those inside their band (until the bands
+        hold).
 
         ``recheck(pairs)`` computes pairs in fp32 (the caller keeps the values, which replace the fast ones) and
         returns each one's margin error."""
@@ -126,16 +175,17 @@ class CallCheck:
         open_pairs = [pair for pair in pairs if pair[0] not in self.exact_rows]
         todo = [pair for pair in open_pairs if pair in self.sample]  # the first audit's share
         drawn: set = set()  # each pair outside the band has one chance to be audited
-        while True:  # a larger error seen widens the band: recheck what it takes in, until it holds
-            band = guard.band
-            todo += [pair for pair in open_pairs if self.margins[pair] <= band]
-            fresh = [pair for pair in open_pairs if self.margins[pair] > band and pair not in self.done and pair not in drawn]
+        while True:  # a larger error seen widens a band: recheck what it takes in, until the bands hold
+            bands = self.bands()
+            todo += [pair for pair in open_pairs if self.margins[pair] <= bands[pair[0]]]
+            fresh = [pair for pair in open_pairs
+                     if self.margins[pair] > bands[pair[0]] and pair not in self.done and pair not in drawn]
             drawn.update(fresh)
             picked = guard.rng.random(len(fresh)) < guard.audit_share if fresh else []
             # one recomputation for all of them: its forwards stack more rows
             self._compute(list(dict.fromkeys(todo + [pair for pair, chosen in zip(fresh, picked) if chosen])), recheck)
             todo = []
-            if guard.band <= band:
+            if (self.bands() <= bands).all():
                 break
 
     def finish(self, recheck: Callable[[list[Pair]], list[float]], differs: Callable[[Pair], bool]) -> list[Pair]:
@@ -147,12 +197,12 @@ class CallCheck:
         if np.isnan(margins).any():
             raise RuntimeError("the guard's call finished with pairs whose fast margins never came")
         while True:
-            band = guard.band
-            self._compute([(int(u), int(i)) for u, i in zip(*np.nonzero(margins <= band))], recheck)
-            if guard.band <= band:
+            bands = self.bands()
+            self._compute([(int(u), int(i)) for u, i in zip(*np.nonzero(margins <= bands[:, None]))], recheck)
+            if (self.bands() <= bands).all():
                 break
-        inside = [pair for pair in self.done if margins[pair] <= guard.band]
-        outside = [pair for pair in self.done if margins[pair] > guard.band]
+        inside = [pair for pair in self.done if margins[pair] <= bands[pair[0]]]
+        outside = [pair for pair in self.done if margins[pair] > bands[pair[0]]]
         guard.pairs += margins.size
         guard.rechecked += len(inside)
         guard.audited += len(outside)

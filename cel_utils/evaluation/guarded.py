@@ -24,11 +24,12 @@ stacked as rows by starting layer (:func:`batch_pair_stats`); only pairs that a 
 are recomputed after the pass, each batch's after a clean pass of its own (:func:`pair_stats`). Before, every recheck
 ran after the whole pass, and a rechecked pair cost 1.2-1.8x a stacked one (book/speed.md).
 
-The band comes from evidence (:class:`Guard`): before bf16 is trusted, a random sample of pairs is computed in both
-precisions, and the band is ``multiple`` times the largest error seen (one band per run: see :class:`Guard` for the
-predictors of the error that were tried and did not narrow it). Every later call
+The bands come from evidence (:class:`Guard`): before bf16 is trusted, a random sample of pairs is computed in both
+precisions, and a pair's band is ``multiple`` times the largest error seen among pairs whose intervention starts in
+the same third of the layers (the fast pass computes the layers from the first ablated one up in bf16; see
+:class:`Guard` for what that narrowed and the predictors that did not). Every later call
 audits a small random share of the pairs outside the band in both precisions too; any error larger than seen before
-widens the band for the rest of the run (and rechecks what the wider band takes in), and an audited decision that
+widens its band for the rest of the run (and rechecks what the wider band takes in), and an audited decision that
 differs between the precisions, outside the band, means the evidence was wrong: that call and every later one are
 computed in fp32 (the run *falls back*) and the artifact says so.
 
@@ -51,7 +52,7 @@ import torch
 
 from cel_utils.evaluation.engine import PREFIX_CACHE_BYTES, BatchPass, EngineEvaluator
 from cel_utils.evaluation.evaluator import EvaluatorProtocol, Intervention
-from cel_utils.evaluation.guard import Guard, Pair
+from cel_utils.evaluation.guard import Guard, Pair, depth_group
 from cel_utils.evaluation.guarded_generation import guarded_completions
 from cel_utils.evaluation.outcomes import Wrapper
 from cel_utils.evaluation.prefix import clean_prefix, prefix_states
@@ -116,7 +117,12 @@ class GuardedEvaluator(Wrapper):
         # rechecks start from them while the fast pass holds them.
         own = self.fast.lm is self.exact.lm
         in_pass = own and self.fast.batches == self.exact.batches
-        check = guard.call((len(unique), len(requests)), [u for u, heads in enumerate(unique) if own and not heads])
+        # Its error grows with the layers computed in bf16, those from the first ablated one up: a band per third of
+        # the layers (Guard). A fast pass in bf16 throughout gets the run's band.
+        n_layers = self.exact.lm.geometry.n_layers
+        depths = [depth_group(min(h.layer for h in heads), n_layers) if own and heads else None for heads in unique]
+        check = guard.call((len(unique), len(requests)), [u for u, heads in enumerate(unique) if own and not heads],
+                           depths)
 
         def after_batch(batch: list[int], held: BatchPass | None, per: list) -> None:
             fast[:] = per
@@ -142,7 +148,7 @@ class GuardedEvaluator(Wrapper):
             u, i = differing[0]
             guard.fall_back(f"{task.name}: an audited bf16 decision differed from fp32's outside the band (item "
                             f"{requests[i].item_id}, {format_heads(unique[u])}, bf16 margin {check.margins[u, i]:.4g}, "
-                            f"band {guard.band:.4g})", check.margins.size)
+                            f"band {check.band(u):.4g})", check.margins.size)
             return self.exact.evaluate(unique, desc)
         merged = [[exact.get((u, i), fast[u][i]) for i in range(len(requests))] for u in range(len(unique))]
         return [self.exact.decide(per) for per in merged]

@@ -60,8 +60,12 @@ class ModelSection(TypedDict):
 class Audit(TypedDict):
     """The guarded precision's audit (:meth:`cel_utils.evaluation.guard.Guard.to_json`)."""
     multiple: float
-    band: float | None
+    band: float | None  # the widest: multiple x the largest error seen anywhere
     largest_error: float | None
+    # per third of the layers by the first ablated layer (None where no pair had a depth: decoding): each third's band
+    # and the errors it was set from (a third with fewer than guard.GROUP_EVIDENCE has the widest band); since issue 46
+    depth_bands: NotRequired[list[float] | None]
+    depth_evidence: NotRequired[list[int] | None]
     initial_audit_pairs: int
     audit_share: float
     pairs: int
