@@ -273,3 +273,19 @@ def test_a_third_with_little_evidence_has_the_widest_band():
     assert guard.depth_band(1) == guard.band == pytest.approx(0.6) and guard.depth_band(None) == guard.band
     guard.see(0.01, 1)
     assert guard.depth_band(1) == pytest.approx(0.02) and guard.depth_band(2) == guard.band
+
+
+def test_the_run_page_prints_each_thirds_band_from_the_record():
+    guard = Guard()
+    guard.see(0.3, 0)
+    for _ in range(GROUP_EVIDENCE):
+        guard.see(0.01, 1)
+    guard.pairs, guard.rechecked = 200, 30
+    record = guard.to_json()
+    text = run_page.precision_text({"precision": {"setting": "auto", "resolved": "guarded", "audit": record}})
+    assert "bands 0.6, 0.02, 0.6 for interventions starting in the lowest, middle and top third" in text
+    assert f"fewer than {record['group_evidence']} audited pairs" in text and "15.0% rechecked" in text
+    one = Guard()
+    one.see(0.3)
+    text = run_page.precision_text({"precision": {"setting": "guarded", "resolved": "guarded", "audit": one.to_json()}})
+    assert "band 0.6 = 2 x the largest audited error 0.3" in text and "bands" not in text

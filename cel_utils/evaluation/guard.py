@@ -114,7 +114,7 @@ class Guard:
         return {"multiple": self.multiple, "band": self.band, "largest_error": self.largest_error,
                 "depth_bands": [self.depth_band(d) for d in range(DEPTH_GROUPS)] if self.seen_by_depth else None,
                 "depth_evidence": [self.seen_by_depth.get(d, 0) for d in range(DEPTH_GROUPS)] if self.seen_by_depth
-                else None,
+                else None, "group_evidence": GROUP_EVIDENCE,
                 "initial_audit_pairs": self.audit_pairs, "audit_share": self.audit_share, "pairs": self.pairs,
                 "rechecked": self.rechecked, "share_rechecked": self.rechecked / self.pairs if self.pairs else None,
                 "audited": self.audited, "bf16_decisions_caught": self.caught,

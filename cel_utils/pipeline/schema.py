@@ -66,6 +66,7 @@ class Audit(TypedDict):
     # and the errors it was set from (a third with fewer than guard.GROUP_EVIDENCE has the widest band); since issue 46
     depth_bands: NotRequired[list[float] | None]
     depth_evidence: NotRequired[list[int] | None]
+    group_evidence: NotRequired[int]  # the audited pairs a third needs for a band of its own
     initial_audit_pairs: int
     audit_share: float
     pairs: int
