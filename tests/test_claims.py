@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from cel_utils.book import claims, results_page, run_page, transfer_page
+from cel_utils.book import claims, key_results, results_page, run_page, transfer_page
 from cel_utils.evaluation.engine import EngineEvaluator
 from cel_utils.evaluation.evaluator import NaiveEvaluator
 from cel_utils.evaluation.means import compute_means
@@ -336,7 +336,7 @@ def test_a_run_page_key_result_names_the_floor_and_the_family(tmp_path):
     art = _artifact(tmp_path, full=full, ablated=ablated)
     art["floors"] = {"chance": 0.5, "best_constant": {"answer": "yes", "accuracy": 0.6, "what": "majority class"}}
     family = claims.primary_family([art, _artifact(tmp_path, name="other")])
-    box = run_page.key_result(art, family[claims.run_key(art)].to_json())
+    box = key_results.key_result(art, family[claims.run_key(art)].to_json())
     assert box.startswith("```{admonition} Key result") and "at its floor" in box.replace("full model is at its floor",
                                                                                           "at its floor")
     assert "among the book's 2 primary tests: Holm p" in box

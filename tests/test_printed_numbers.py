@@ -13,7 +13,7 @@ import re
 import pytest
 from test_precision import _perturbed  # noisy weights: a stand-in for bf16 that gets decisions wrong
 
-from cel_utils.book import results_page, run_page
+from cel_utils.book import baselines, key_results, results_page, run_page
 from cel_utils.config import RunConfig
 from cel_utils.evaluation.guard import Guard
 from cel_utils.pipeline import protocol
@@ -22,16 +22,19 @@ from cel_utils.pipeline.schema import from_json
 
 # What a run page prints, function by function (those that take the artifact alone), besides the timings and the
 # precision line, which say how the run was computed, not what it found.
-PAGE_PARTS = ("weights_text", "stage1_text", "pool_table", "stage2_table", "holdout_table", "holdout_sentence",
-              "selection_note", "verdict_sentence", "reliability_sentence", "reliability_table", "stability_table",
-              "flip_table", "floors_table", "answer_profile", "control_sentence", "key_result")
+PAGE_PARTS = {run_page: ("weights_text", "stage1_text", "pool_table", "stage2_table", "holdout_table",
+                         "holdout_sentence", "selection_note", "verdict_sentence", "reliability_sentence",
+                         "reliability_table", "stability_table", "flip_table"),
+              baselines: ("floors_table", "answer_profile", "control_sentence"),
+              key_results: ("key_result",)}
 
 
 def _printed(artifact) -> dict[str, str]:
     out = {}
-    for name in PAGE_PARTS:
-        value = getattr(run_page, name)(artifact)
-        out[name] = value.to_string() if hasattr(value, "to_string") else str(value)
+    for module, names in PAGE_PARTS.items():
+        for name in names:
+            value = getattr(module, name)(artifact)
+            out[name] = value.to_string() if hasattr(value, "to_string") else str(value)
     page = results_page.results_markdown([artifact], [])
     out["results page"] = re.sub(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", "<plot id>", page)
     return out

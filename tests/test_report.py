@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import yaml
 
-from cel_utils.book import paper_comparison, results_page, run_page, strategies_page, text
+from cel_utils.book import key_results, paper_comparison, results_page, run_page, strategies_page, text
 from cel_utils.book.build import BookPaths, toc_dict
 from cel_utils.book.titles import run_title
 from cel_utils.pipeline import schema, stats_schema
@@ -398,7 +398,7 @@ def test_the_results_page_keeps_each_runs_details_on_its_run_page(tmp_path):
     write_json(tmp_path / "results" / "a.json", art)
     page = results_page.write_results_page(tmp_path / "results", tmp_path / "results.md").read_text()
     verdict = run_page.verdict_of(art)["text"]
-    assert verdict not in page and verdict in run_page.key_result(art)
+    assert verdict not in page and verdict in key_results.key_result(art)
     row = next(line for line in page.splitlines() if line.startswith("| tiny-model, boolq"))
     assert row.count("|") == 8 and "**" + run_page.verdict_word(run_page.verdict_of(art)) + "**" in row
 

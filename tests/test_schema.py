@@ -136,7 +136,7 @@ def test_an_artifact_of_today_passes_through_unchanged_and_a_broken_one_names_wh
 
 
 def test_the_results_page_reads_version_1_artifacts():
-    from cel_utils.book import results_page, run_page
+    from cel_utils.book import baselines, key_results, results_page
     from cel_utils.pipeline.artifacts import load_artifacts
 
     artifacts = load_artifacts(REFERENCE)
@@ -145,8 +145,8 @@ def test_the_results_page_reads_version_1_artifacts():
     rows = [line for line in verdicts.splitlines() if line.startswith("| random-llama-tiny")]
     assert len(rows) == len(artifacts) == 4
     for artifact in artifacts:
-        assert run_page.key_result(artifact).startswith("```{admonition} Key result")
-        assert run_page.control_sentence(artifact) == "" and run_page.floor_rows(artifact) == []
+        assert key_results.key_result(artifact).startswith("```{admonition} Key result")
+        assert baselines.control_sentence(artifact) == "" and baselines.floor_rows(artifact) == []
 
 
 def test_the_stored_paired_test_is_the_one_the_statistics_write():

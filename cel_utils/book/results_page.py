@@ -13,7 +13,8 @@ from pathlib import Path
 import pandas as pd
 
 from cel_utils.book.claims import first_looks, primary_family, run_key, second_look
-from cel_utils.book.run_page import floor_rows, run_stem, significance, verdict_of, verdict_word
+from cel_utils.book.baselines import floor_rows
+from cel_utils.book.run_page import run_stem, significance, verdict_of, verdict_word
 from cel_utils.book.paper_comparison import PAPER_COMPUTED_MARK, PAPER_MODELS, hour_note, side_by_side
 from cel_utils.book.overview_figure import overview_figure
 from cel_utils.book.strategies_page import strategies_section

@@ -7,7 +7,7 @@ from pathlib import Path
 import pandas as pd
 
 from cel_utils.book.text import ci_text, ordinal, p_is, p_text, provenance_text, rer_text, styled, transition_text
-from cel_utils.pipeline.schema import Floors, RunArtifact
+from cel_utils.pipeline.schema import RunArtifact
 from cel_utils.pipeline.stats_schema import Margin, PairedTest, Power, Verdict
 from cel_utils.tasks.scoring import relative_error_reduction
 
@@ -368,127 +368,6 @@ def show_flips(table: pd.DataFrame):
 
         return Markdown("No holdout item flipped: the ablated and full models agree on every item.")
     return styled(table, monospace=True, index=False)
-
-
-# --- Floors, answer shares and the zero-ablation control (issue 42) ----------------------------------------------
-
-def floor_rows(artifact: RunArtifact) -> list[tuple[str, float | None, str]]:
-    """(what, accuracy as a fraction or None, note) for the trivial baselines of the run's holdout items."""
-    return floor_rows_of(artifact["floors"])
-
-
-def floor_rows_of(floors: Floors | None) -> list[tuple[str, float | None, str]]:
-    """:func:`floor_rows` from a floors section alone (the explorer scores items of its own)."""
-    if not floors:
-        return []
-    rows = []
-    if floors.get("chance") is not None:
-        rows.append(("chance", floors["chance"], "a uniformly random answer"))
-    best = floors.get("best_constant")
-    if best:
-        from cel_utils.stats.power import floor_name
-
-        rows.append((floor_name({"best_constant": best})[0], best["accuracy"], f"best constant answer ({best['what']})"))
-    if not rows:
-        rows.append(("solving nothing", 0.0, floors.get("note", "no trivial answer")))
-    return rows
-
-
-def floors_table(artifact: RunArtifact) -> pd.DataFrame:
-    """The full, ablated and control accuracies beside the floors of the same holdout items, highest first."""
-    h, control = artifact["holdout"], artifact["control"]
-    rows = [(name, value, note) for name, value, note in floor_rows(artifact)]
-    rows += [("full model", h["full_accuracy"], "the model as it is"),
-             (f"{h['heads_label']} {_ablation_word(artifact)}-ablated", h["ablated_accuracy"], "the run's frozen set")]
-    if control:
-        rows.append((f"{control['heads_label']} {control['ablation']}-ablated", control["accuracy"],
-                     "the control (same heads, other ablation)"))
-    rows.sort(key=lambda r: -r[1])
-    return pd.DataFrame({"accuracy (%)": [round(100 * v, 1) for _, v, _ in rows], "what": [n for _, _, n in rows]},
-                        index=pd.Index([name for name, _, _ in rows], name=f"on the {h['n_items']} holdout items"))
-
-
-def _ablation_word(artifact: RunArtifact) -> str:
-    return artifact["config"]["ablation"]
-
-
-def answer_profile(artifact: RunArtifact) -> str:
-    """Multiple choice: how often the full and the ablated model give each answer, and which way the changed answers
-    went, from the stored predictions (a bias shift reads here); empty for the other kinds."""
-    from cel_utils.tasks.floors import answer_shares, changed_answers
-
-    floors, h = artifact["floors"] or {}, artifact["holdout"]
-    labels = floors.get("labels")
-    if not labels:
-        return ""
-    full = answer_shares(h["full_predictions"] or [], len(labels))
-    ablated = answer_shares(h["ablated_predictions"] or [], len(labels))
-    if full is None or ablated is None:
-        return ""
-
-    def shares(values: list[float]) -> str:
-        return ", ".join(f"{label!r} {100 * v:.1f}%" for label, v in zip(labels, values))
-
-    moves = changed_answers(h["full_predictions"], h["ablated_predictions"])
-    n_moved = sum(moves.values())
-    top = ", ".join(f"{n} {labels[a]!r} -> {labels[b]!r}" for (a, b), n in list(moves.items())[:3])
-    gold = floors.get("gold_shares")
-    return (f"The full model answers {shares(full)}; ablated, {shares(ablated)}"
-            + (f" (the right answers: {shares(gold)})" if gold else "") + ". "
-            + (f"Of the {n_moved} answers the ablation changed: {top}." if n_moved else "No answer changed."))
-
-
-def control_sentence(artifact: RunArtifact) -> str:
-    """The control in words: the frozen set under the other ablation, against the full model and the run's ablation."""
-    control = artifact["control"]
-    if not control:
-        return ""
-    h, vf, vs = artifact["holdout"], control["vs_full"], control["vs_search"]
-    word, other = _ablation_word(artifact), control["ablation"]
-    how = ("each replaced by its mean over the discovery items' tokens, not by zero" if other == "mean"
-           else "each set to zero, not to its mean")
-    moved = "significant alone" if vf["p_value"] <= 0.05 else "not significant"
-    differ = "differ significantly" if vs["p_value"] <= 0.05 else "do not differ significantly"
-    text = (f"**Control: {other}-ablation.** With the same heads {other}-ablated ({how}), the holdout accuracy is "
-            f"{100 * control['accuracy']:.1f}%, against the full model's {100 * h['full_accuracy']:.1f}% and the "
-            f"{word}-ablated {100 * h['ablated_accuracy']:.1f}%: {vf['gain_points']:+.1f} points from the full model "
-            f"({ci_text(vf)}; {moved}). The two ablations {differ} on these items ({other} - {word} "
-            f"{vs['gain_points']:+.1f} points, {ci_text(vs)}).")
-    if word == "zero" and vs["p_value"] <= 0.05:
-        text += " Part of what zero-ablation does here needs the zero vector, a state the model never produced."
-    return text
-
-
-def key_result(artifact: RunArtifact, family: dict | None = None, second: dict | None = None) -> str:
-    """The run's key result as a MyST admonition, for the top of its page: full -> ablated with the floor beside it,
-    the verdict's kind, the heads, the control; ``family`` as for :func:`verdict_of`; ``second``: the first look of
-    a holdout scored twice (:func:`cel_utils.book.claims.second_look`)."""
-    h = artifact["holdout"]
-    found = verdict_of(artifact, family) or {"kind": "n/a", "text": "no paired test stored", "at_floor": False}
-    floors = floor_rows(artifact)
-    floor = max(floors, key=lambda r: r[1]) if floors else None
-    sig = significance(artifact)
-    lines = [f"**{h['heads_label']}** ablated: {artifact['task']['metric']} "
-             f"**{transition_text(h['full_accuracy'], h['ablated_accuracy'], h['gain_points'])}** on {h['n_items']} "
-             "held-out items"]
-    if floor:
-        lines.append(f"floor: {floor[0]} scores {100 * floor[1]:.1f}%" + (" (the full model is at its floor)"
-                                                                            if found.get("at_floor") else ""))
-    if sig:
-        p_line = f"{ci_text(sig)}"
-        if family and family["m"] > 1:
-            p_line += (f"; among the book's {family['m']} primary tests: Holm p = {p_text(family['p_adjusted'])}, "
-                       f"family-adjusted CI [{family['ci_low']:+.1f}, {family['ci_high']:+.1f}]")
-        lines.append(p_line)
-    lines.append(f"verdict: **{verdict_word(found)}**. In words: {found['text']}.")
-    control = artifact["control"]
-    if control:
-        lines.append(f"control ({control['ablation']}-ablation of the same heads): "
-                     f"{100 * control['accuracy']:.1f}% ({control['vs_full']['gain_points']:+.1f} points)")
-    if second:
-        lines.append(f"a second look: this holdout pool was scored before ({second['n_holdout']} items, "
-                     f"{second['gain_points']:+.1f} points, {second['heads']})")
-    return "\n".join(["```{admonition} Key result", ":class: tip", *[f"- {line}" for line in lines], "```"])
 
 
 def verdict_word(found: dict) -> str:

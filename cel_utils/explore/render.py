@@ -10,7 +10,8 @@ from html import escape
 
 import numpy as np
 
-from cel_utils.book.run_page import floor_rows_of, interval_name
+from cel_utils.book.baselines import floor_rows_of
+from cel_utils.book.run_page import interval_name
 from cel_utils.book.text import clip, p_text, pct, transition_text
 from cel_utils.explore.session import ItemView, Score, option_scores
 from cel_utils.models.heads import format_heads
