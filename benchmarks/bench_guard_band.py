@@ -40,7 +40,7 @@ import numpy as np
 from bench_precision import _interventions
 from cel_utils.config import TransferConfig
 from cel_utils.evaluation.engine import EngineEvaluator
-from cel_utils.evaluation.guard import AUDIT_PAIRS, DEPTH_GROUPS, GROUP_EVIDENCE, SAFETY_MULTIPLE, depth_group
+from cel_utils.evaluation.guard import AUDIT_PAIRS, DEPTH_GROUPS, SAFETY_MULTIPLE, Guard, depth_group
 from cel_utils.evaluation.precision import bf16_model
 from cel_utils.hardware import machine_summary
 from cel_utils.models.loading import load_model
@@ -82,11 +82,11 @@ def bands(data: dict, audit: np.ndarray, multiple: float, groups: int = DEPTH_GR
            "global, a third": np.full(error.shape, multiple * seen[: max(1, len(seen) // 3)].max())}
     n_layers = int(data["n_layers"])
     group = np.array([depth_group(n_layers - int(n), n_layers, groups) for n in layers])
-    depth = np.empty(error.shape)
-    for g in np.unique(group):
-        mine = seen[group[audit] == g]
-        depth[group == g] = multiple * (mine.max() if len(mine) >= GROUP_EVIDENCE else seen.max())
-    out["depth"] = depth
+    guard = Guard(multiple=multiple)  # the guard's own rule, from the same audit
+    for j in audit:
+        guard.see(float(error[j]), int(group[j]))
+    bands_of = {g: guard.depth_band(int(g)) for g in np.unique(group)}
+    out["depth"] = np.array([bands_of[g] for g in group])
     item_max = data["error"].max(axis=0)
     out["item oracle"] = multiple * np.broadcast_to(item_max, data["error"].shape).ravel()
     return out
