@@ -25,16 +25,15 @@ from cel_utils.config import (
     BOOK_MODELS,
     BOOK_SEED,
     DEFAULT_MODEL,
-    PRESET_NAMES,
     PRESET_TASKS,
     RunConfig,
     StrategiesConfig,
     TransferConfig,
     add_setting_flags,
-    default_tasks,
     given_settings,
     setting_help,
 )
+from cel_utils.presets import PRESET_NAMES, default_tasks
 
 
 def _selection_arguments(parser: argparse.ArgumentParser, title: str, tasks_required: bool = False,
@@ -364,7 +363,7 @@ def _list_lmeval(part: str) -> int:
 
 
 def cmd_list(args) -> int:
-    from cel_utils.config import PRESETS, preset_values
+    from cel_utils.presets import PRESETS, preset_values
     from cel_utils.models.plumbing import ARCHITECTURES
     from cel_utils.tasks.specs import TASKS
 

@@ -12,9 +12,9 @@ changes results. Everything else is derived from it:
 * the checks: :meth:`RunConfig.validate` checks every field by its declared type, bounds and choices, then what
   involves several fields or the machine. It only checks; folders are created when something is written.
 
-Presets (:data:`PRESETS`, tabled in :mod:`cel_utils.presets`) are data: partial configurations per task family,
-applied by :meth:`RunConfig.from_dict` on the machine where the run happens (so ``auto`` means "paper with CUDA, else cpu" *there*, not where a Slurm job
-was submitted). Values given explicitly win over the preset's.
+Presets (:data:`PRESETS`, tabled and read in :mod:`cel_utils.presets`) are data: partial configurations per task
+family, applied by :meth:`RunConfig.from_dict` on the machine where the run happens (so ``auto`` means "paper with
+CUDA, else cpu" *there*, not where a Slurm job was submitted). Values given explicitly win over the preset's.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from typing import Any, Mapping
 from cel_utils.checks import check_int
 from cel_utils.presets import (BOOK_MODELS, BOOK_SEED, MODEL_PRESETS, PRESET_TASKS, PRESETS, RUN_MINUTES,  # noqa: F401
                                TASK_FAMILIES)  # (re-exported)
+from cel_utils.presets import PRESET_NAMES, preset_values, resolve_preset
 from cel_utils.sandbox import MEMORY_MB, TIMEOUT_S
 from cel_utils.search.screening import DECISION_SCREENS, SCREENS
 from cel_utils.tasks.prompts import BOS_POLICIES, FORMATS
@@ -38,7 +39,6 @@ RESAMPLE_METHODS = ("bootstrap", "halves")
 STAGE1_MODES = ("exact", "screened")
 PRECISIONS = ("fp32", "bf16", "guarded", "auto")  # what each means, and auto: cel_utils.evaluation.precision
 ATTENTION_KERNELS = ("sdpa", "eager", "flash_attention_2")
-PRESET_NAMES = ("auto", "cpu", "paper", "quick", "smoke", "none")
 ABLATIONS = ("zero", "mean")  # cel_utils.models.ablation
 
 
@@ -305,51 +305,6 @@ def check_setting(cls: type, name: str, value: Any) -> None:
         check_value(name, value, setting_type(cls, name), f.metadata)
     except ValueError as error:
         raise ValueError(f"{error} ({name}: {f.metadata['help']})") from None
-
-
-# --- presets -------------------------------------------------------------------------------------------------------
-
-def resolve_preset(name: str, cuda: bool | None = None) -> str:
-    """``auto``: ``paper`` where the run happens has CUDA, else ``cpu``; ``cuda``: whether it has (None: this machine)."""
-    if name not in PRESET_NAMES:
-        raise ValueError(f"unknown preset {name!r}: choose from {', '.join(PRESET_NAMES)}")
-    if name == "auto":
-        import torch
-
-        return "paper" if (torch.cuda.is_available() if cuda is None else cuda) else "cpu"
-    return name
-
-
-def task_family(task: str) -> str:
-    return "arithmetic" if task.startswith("arithmetic") else task
-
-
-def task_sort_key(task: str) -> tuple:
-    """The book's task order (TASK_FAMILIES'), then the name: tables and matrices list tasks alike."""
-    family = task_family(task)
-    return (TASK_FAMILIES.index(family) if family in TASK_FAMILIES else len(TASK_FAMILIES)), task
-
-
-def preset_values(preset: str, task: str, model: str | None = None) -> dict[str, Any]:
-    """The preset's partial configuration for ``task`` (its family's row over the ``*`` row) and, where the preset has
-    rows for ``model`` (:data:`MODEL_PRESETS`), those over them in the same order."""
-    preset, family = resolve_preset(preset), task_family(task)
-    values = {}
-    for table in (PRESETS[preset], MODEL_PRESETS.get(preset, {}).get(model, {})):
-        values.update({**table.get("*", {}), **table.get(family, {})})
-    return values
-
-
-def expected_minutes(preset: str, task: str, model: str | None = None) -> float | None:
-    """How long a run of ``task`` under ``preset`` took when last measured (:data:`RUN_MINUTES`): ``model``'s row, else
-    the default model's (``"*"``), as an estimate for a model never measured; None if the task never was."""
-    table = RUN_MINUTES.get(resolve_preset(preset), {})
-    return table.get(model, table.get("*", {})).get(task_family(task))
-
-
-def default_tasks(preset: str, cuda: bool | None = None) -> tuple[str, ...]:
-    """The tasks a grid runs when none are named, for runs on a machine with CUDA or not (None: this one)."""
-    return PRESET_TASKS[resolve_preset(preset, cuda)]
 
 
 # --- the run notebook's input --------------------------------------------------------------------------------------

@@ -1,11 +1,14 @@
-"""The presets' tables, as data: partial run configurations per preset and task family, the tasks a grid runs when
-none are named, and how long runs took when last measured. :mod:`cel_utils.config` applies them (and re-exports
-them): they sit apart from the settings' declaration only because they are long, and they name settings, never
-declare one.
+"""The presets: their tables, as data (partial run configurations per preset and task family, the tasks a grid runs
+when none are named, how long runs took when last measured), and the functions that read them (which preset ``auto``
+is, a task's preset values, its family and the book's task order). :mod:`cel_utils.config` applies them to a run's
+settings (and re-exports the tables): they sit apart from the settings' declaration because they are long, and they
+name settings, never declare one.
 """
 from __future__ import annotations
 
 from typing import Any
+
+PRESET_NAMES = ("auto", "cpu", "paper", "quick", "smoke", "none")
 
 # Partial configurations per preset and task family ("*": every family; a family's row adds to it). "arithmetic" also
 # covers the single configs (arithmetic_2da, ...).
@@ -98,3 +101,48 @@ RUN_MINUTES = {"cpu": {"*": {"boolq": 15.9, "hellaswag": 12.2, "mbpp": 10.2, "ar
 # published book draws with a seed that no preset decision has seen: its holdouts are a single look.
 BOOK_MODELS = ("smollm2-135m-instruct", "gemma3-270m")
 BOOK_SEED = 1
+
+
+# --- reading the tables ---------------------------------------------------------------------------------------------
+
+def resolve_preset(name: str, cuda: bool | None = None) -> str:
+    """``auto``: ``paper`` where the run happens has CUDA, else ``cpu``; ``cuda``: whether it has (None: this machine)."""
+    if name not in PRESET_NAMES:
+        raise ValueError(f"unknown preset {name!r}: choose from {', '.join(PRESET_NAMES)}")
+    if name == "auto":
+        import torch
+
+        return "paper" if (torch.cuda.is_available() if cuda is None else cuda) else "cpu"
+    return name
+
+
+def task_family(task: str) -> str:
+    return "arithmetic" if task.startswith("arithmetic") else task
+
+
+def task_sort_key(task: str) -> tuple:
+    """The book's task order (TASK_FAMILIES'), then the name: tables and matrices list tasks alike."""
+    family = task_family(task)
+    return (TASK_FAMILIES.index(family) if family in TASK_FAMILIES else len(TASK_FAMILIES)), task
+
+
+def preset_values(preset: str, task: str, model: str | None = None) -> dict[str, Any]:
+    """The preset's partial configuration for ``task`` (its family's row over the ``*`` row) and, where the preset has
+    rows for ``model`` (:data:`MODEL_PRESETS`), those over them in the same order."""
+    preset, family = resolve_preset(preset), task_family(task)
+    values = {}
+    for table in (PRESETS[preset], MODEL_PRESETS.get(preset, {}).get(model, {})):
+        values.update({**table.get("*", {}), **table.get(family, {})})
+    return values
+
+
+def expected_minutes(preset: str, task: str, model: str | None = None) -> float | None:
+    """How long a run of ``task`` under ``preset`` took when last measured (:data:`RUN_MINUTES`): ``model``'s row, else
+    the default model's (``"*"``), as an estimate for a model never measured; None if the task never was."""
+    table = RUN_MINUTES.get(resolve_preset(preset), {})
+    return table.get(model, table.get("*", {})).get(task_family(task))
+
+
+def default_tasks(preset: str, cuda: bool | None = None) -> tuple[str, ...]:
+    """The tasks a grid runs when none are named, for runs on a machine with CUDA or not (None: this one)."""
+    return PRESET_TASKS[resolve_preset(preset, cuda)]

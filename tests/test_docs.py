@@ -25,7 +25,8 @@ README_MAX_WORDS = 1800  # a newcomer's first two minutes
 
 def test_speed_page_cpu_tables_match_the_cpu_preset_for_each_book_model():
     from cel_utils.book.facts import random_sets_text
-    from cel_utils.config import BOOK_MODELS, RunConfig, default_tasks
+    from cel_utils.config import BOOK_MODELS, RunConfig
+    from cel_utils.presets import default_tasks
     from cel_utils.tasks.catalog import get_task
 
     page = SPEED.read_text()

@@ -8,7 +8,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from cel_utils import config, grid
+from cel_utils import config, grid, presets
 from cel_utils.book.build import BookPaths, toc_dict
 from cel_utils.cli import main
 from cel_utils.grid.executors import prepare_models, start_order
@@ -21,38 +21,38 @@ GOOD, BAD = "random:llama:tiny", "random:nosuch:tiny"  # the second fails when r
 
 def test_presets_are_partial_configurations_of_known_settings():
     names = set(config.field_names(config.TransferConfig))  # the runs' settings and the transfer step's
-    for preset, table in config.PRESETS.items():
-        assert set(table) <= {"*", *config.TASK_FAMILIES}, preset
+    for preset, table in presets.PRESETS.items():
+        assert set(table) <= {"*", *presets.TASK_FAMILIES}, preset
         for row in table.values():
             assert set(row) <= names, (preset, row)
     paper = config.RunConfig.from_dict({"task": "boolq", "preset": "paper"})
     assert (paper.n_discovery, paper.n_holdout, paper.p, paper.k, paper.preset) == (None, None, 10, 3, "paper")
     cpu = config.RunConfig.from_dict({"task": "arithmetic_2da", "preset": "cpu", "p": 4})
-    assert cpu.n_discovery == config.preset_values("cpu", "arithmetic_2da")["n_discovery"] and cpu.p == 4  # given wins
-    assert config.preset_values("cpu", "mbpp")["n_discovery"] != config.PRESETS["cpu"]["*"]["n_discovery"]  # a row adds
-    assert config.resolve_preset("auto") in ("cpu", "paper")
+    assert cpu.n_discovery == presets.preset_values("cpu", "arithmetic_2da")["n_discovery"] and cpu.p == 4  # given wins
+    assert presets.preset_values("cpu", "mbpp")["n_discovery"] != presets.PRESETS["cpu"]["*"]["n_discovery"]  # a row adds
+    assert presets.resolve_preset("auto") in ("cpu", "paper")
     with pytest.raises(ValueError, match="unknown preset"):
-        config.resolve_preset("huge")
+        presets.resolve_preset("huge")
     with pytest.raises(ValueError, match=r"unknown run setting\(s\) \['n_discovry'\]"):
         config.RunConfig.from_dict({"n_discovry": 5})
 
 
 def test_each_preset_has_default_tasks_one_per_family_that_plan_accepts(tmp_path):
-    assert set(config.PRESET_TASKS) == set(config.PRESETS)
-    for name in config.PRESETS:
-        tasks = config.default_tasks(name)
-        assert sorted(map(config.task_family, tasks)) == sorted(config.TASK_FAMILIES), name
+    assert set(config.PRESET_TASKS) == set(presets.PRESETS)
+    for name in presets.PRESETS:
+        tasks = presets.default_tasks(name)
+        assert sorted(map(presets.task_family, tasks)) == sorted(presets.TASK_FAMILIES), name
         cells = grid.plan([GOOD], tasks, [0], name, runs_dir=tmp_path / "runs", results_dir=tmp_path / "results")
         assert [c.parameters["task"] for c in cells] == list(tasks)
-    assert config.default_tasks("cpu")[0] == "arithmetic_1dc" and config.default_tasks("paper")[0] == "arithmetic"
+    assert presets.default_tasks("cpu")[0] == "arithmetic_1dc" and presets.default_tasks("paper")[0] == "arithmetic"
 
 
 def test_the_local_pool_starts_the_longest_measured_runs_first(tmp_path):
     """`make book` (two workers): BoolQ and HellaSwag start together and arithmetic, the shortest, starts last, not
     beside BoolQ; cells never measured follow in grid order; results still come back in grid order (test below)."""
-    assert {config.task_family(t) for t in config.default_tasks("cpu")} <= set(config.RUN_MINUTES["cpu"]["*"])
+    assert {presets.task_family(t) for t in presets.default_tasks("cpu")} <= set(config.RUN_MINUTES["cpu"]["*"])
     paths = dict(runs_dir=tmp_path / "runs", results_dir=tmp_path / "results")
-    cpu = grid.plan([GOOD], config.default_tasks("cpu"), [0], "cpu", **paths)
+    cpu = grid.plan([GOOD], presets.default_tasks("cpu"), [0], "cpu", **paths)
     smoke = grid.plan([GOOD], ["mbpp", "arithmetic_2da"], [0, 1], "smoke", **paths)
     order = [(c.parameters["preset"], c.parameters["task"], c.parameters["seed"]) for c in start_order(smoke + cpu)]
     assert order == [("cpu", "boolq", 0), ("cpu", "hellaswag", 0), ("cpu", "mbpp", 0), ("cpu", "arithmetic_1dc", 0),
@@ -87,7 +87,7 @@ def test_plan_applies_preset_and_overrides_and_validates_first(tmp_path):
     assert [c.name for c in cells] == ["random-llama-tiny__arithmetic_2da__seed0", "random-llama-tiny__arithmetic_2da__seed1",
                                        "random-llama-tiny__boolq__seed0", "random-llama-tiny__boolq__seed1"]
     first = cells[0].config()
-    assert first.n_discovery == config.preset_values("cpu", "arithmetic_2da")["n_discovery"] and first.n_holdout == 7
+    assert first.n_discovery == presets.preset_values("cpu", "arithmetic_2da")["n_discovery"] and first.n_holdout == 7
     assert first.engine == "naive" and Path(first.results_dir).is_absolute() and first.preset == "cpu"
     assert cells[0].parameters["config"] == {"engine": "naive", "n_holdout": 7, "results_dir": first.results_dir}
     assert cells[0].page == tmp_path / "runs" / "random-llama-tiny__arithmetic_2da__seed0.ipynb"

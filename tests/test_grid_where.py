@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from cel_utils import config, grid
+from cel_utils import grid, presets
 from cel_utils.cli import main
 
 GOOD = "random:llama:tiny"
@@ -26,15 +26,15 @@ def submitted(monkeypatch):
 
 def test_a_slurm_grid_from_a_cpu_node_is_planned_for_its_gpu_jobs(submitted, tmp_path):
     assert main(["grid", "--root", str(tmp_path), "--executor", "slurm", "--models", GOOD, "--device", "cuda"]) == 0
-    assert [cell.parameters["task"] for cell in submitted] == list(config.default_tasks("paper"))
-    assert config.default_tasks("paper") != config.default_tasks("cpu")  # else this would show nothing
+    assert [cell.parameters["task"] for cell in submitted] == list(presets.default_tasks("paper"))
+    assert presets.default_tasks("paper") != presets.default_tasks("cpu")  # else this would show nothing
     assert {cell.config().preset for cell in submitted} == {"paper"}  # as each job will resolve `auto` there
     assert all(cell.parameters["preset"] == "auto" for cell in submitted)  # still resolved by the job itself
 
 
 def test_jobs_without_a_gpu_get_the_cpu_tasks(submitted, tmp_path):
     assert main(["grid", "--root", str(tmp_path), "--executor", "slurm", "--slurm-gpus", "0", "--models", GOOD]) == 0
-    assert [cell.parameters["task"] for cell in submitted] == list(config.default_tasks("cpu"))
+    assert [cell.parameters["task"] for cell in submitted] == list(presets.default_tasks("cpu"))
 
 
 @pytest.mark.parametrize("executor, device, error", [

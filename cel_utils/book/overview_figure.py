@@ -17,7 +17,7 @@ import pandas as pd
 
 from cel_utils.book.interactive import HARMFUL, HELPFUL, OfflineFigure
 from cel_utils.book.run_page import significance
-from cel_utils.config import TASK_FAMILIES, task_family
+from cel_utils.presets import TASK_FAMILIES, task_family
 from cel_utils.pipeline.schema import RunArtifact
 
 GREY, DARK = "#bdbdbd", "#424242"

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pandas as pd
 
 from cel_utils.book.text import md_table
-from cel_utils.config import TASK_FAMILIES, RunConfig, task_family
+from cel_utils.config import RunConfig
+from cel_utils.presets import TASK_FAMILIES, task_family
 from cel_utils.pipeline.schema import RunArtifact, TransferArtifact
 from cel_utils.tasks.scoring import relative_error_reduction
 

@@ -20,7 +20,7 @@ from cel_utils.book.overview_figure import overview_figure
 from cel_utils.book.strategies_page import strategies_section
 from cel_utils.book.transfer_page import raw_html, transfer_section
 from cel_utils.book.text import ci_text, md_table, p_text, pct, transition_text
-from cel_utils.config import BOOK_SEED, TASK_FAMILIES, task_family, task_sort_key
+from cel_utils.presets import BOOK_SEED, TASK_FAMILIES, task_family, task_sort_key
 from cel_utils.paths import atomic_write
 from cel_utils.pipeline.artifacts import load_artifacts
 from cel_utils.pipeline.schema import RunArtifact, TransferArtifact

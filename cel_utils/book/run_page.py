@@ -100,6 +100,7 @@ def precision_text(artifact: RunArtifact) -> str:
     audit = record.get("audit")
     if not audit:
         return text
+    outside = "the bands" if audit.get("depth_bands") else "the band"
     if audit.get("depth_bands"):
         bands = (f"bands {', '.join(f'{b:.3g}' for b in audit['depth_bands'])} for interventions starting in the "
                  f"lowest, middle and top third of the layers, each {audit['multiple']:g} x the largest error audited "
@@ -110,8 +111,7 @@ def precision_text(artifact: RunArtifact) -> str:
                  f"{audit['largest_error'] or 0:.3g}")
     text += (f": the search in bf16 with fp32's decisions, the holdout in fp32; on this run's machine {audit['pairs']} "
              f"pairs, {audit['share_rechecked'] or 0:.1%} rechecked in fp32; {bands}; {audit['audited']} audited "
-             f"outside the band{'s' if audit.get('depth_bands') else ''}, {audit['bf16_decisions_caught']} bf16 "
-             "decisions corrected")
+             f"outside {outside}, {audit['bf16_decisions_caught']} bf16 decisions corrected")
     if audit.get("fell_back_to_fp32"):
         text += f"; FELL BACK TO FP32: {audit['fell_back_to_fp32']}"
     return text

@@ -25,7 +25,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable
 
-from cel_utils.config import RunConfig, from_notebook, resolve_preset, result_settings
+from cel_utils.config import RunConfig, from_notebook, result_settings
+from cel_utils.presets import resolve_preset
 from cel_utils.pipeline.schema import RunArtifact
 
 REPO_DIR = Path(__file__).resolve().parents[2]  # the checkout: notebooks/ sits beside the package

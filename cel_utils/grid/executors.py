@@ -12,7 +12,7 @@ import os
 from typing import Callable
 
 from cel_utils.checks import check_int
-from cel_utils.config import expected_minutes
+from cel_utils.presets import expected_minutes
 from cel_utils.grid.cells import Cell, CellResult, _stat, failed_result, result_line, run_cell
 from cel_utils.grid.slurm import SlurmOptions
 

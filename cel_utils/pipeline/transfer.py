@@ -25,7 +25,8 @@ from typing import Iterable, Literal, Mapping
 
 import numpy as np
 
-from cel_utils.config import TransferConfig, field_names, task_sort_key
+from cel_utils.config import TransferConfig, field_names
+from cel_utils.presets import task_sort_key
 from cel_utils.models.heads import parse_head
 from cel_utils.pipeline.artifacts import (SCHEMA_VERSION, artifact_name, bits, library_versions, read_artifact,
                                           run_info_path, slug, utc_now, write_json)
