@@ -18,7 +18,7 @@ from cel_utils.config import RunConfig
 from cel_utils.evaluation.guard import Guard
 from cel_utils.pipeline import protocol
 from cel_utils.pipeline.protocol import run_cel
-from cel_utils.pipeline.schema import from_json
+from cel_utils.pipeline.artifacts import from_json
 
 # What a run page prints, function by function (those that take the artifact alone), besides the timings and the
 # precision line, which say how the run was computed, not what it found.

@@ -12,8 +12,8 @@ import yaml
 from cel_utils.book import key_results, paper_comparison, results_page, run_page, strategies_page, text
 from cel_utils.book.build import BookPaths, toc_dict
 from cel_utils.book.titles import run_title
-from cel_utils.pipeline import schema, stats_schema
-from cel_utils.pipeline.artifacts import load_artifacts, write_json
+from cel_utils.pipeline import stats_schema
+from cel_utils.pipeline.artifacts import from_json, load_artifacts, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ def make_artifact(model="tiny-model", task="arithmetic_2da", seed=0, full=0.5, a
     ]
     stage2 = [{"heads": ["L0.H0", "L1.H2"], "accuracy": 1.0, "gain_points": 50.0, "n_correct": 4, "harm": 0, "help": 2},
               stage1[0], stage1[1]]
-    return schema.from_json({
+    return from_json({
         "schema_version": 1, "kind": "cel-run",
         "config": {"model": model, "task": task, "seed": seed, "p": 2, "k": 2, "fmt": "plain", "engine": "naive",
                    "n_discovery": 4, "n_holdout": n_items},

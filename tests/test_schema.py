@@ -13,7 +13,7 @@ import pytest
 
 from cel_utils.config import RunConfig
 from cel_utils.pipeline import schema, stats_schema
-from cel_utils.pipeline.artifacts import read_artifact, write_json
+from cel_utils.pipeline.artifacts import from_json, missing_keys, read_artifact, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = REPO / "tests" / "fixtures" / "reference"  # version-1 artifacts, from before most sections existed
@@ -24,7 +24,7 @@ READERS = ["cel_utils/book", "cel_utils/explore", "cel_utils/pipeline", "cel_uti
 def _mypy(paths: list[str], cache: Path) -> list[str]:
     """mypy's reads of undeclared keys on ``paths`` (a TypedDict "has no key", or a key that is not a literal); the
     code's other type errors are not this test's. What a run writes is checked against the schema when it is read
-    (:func:`cel_utils.pipeline.schema.from_json`: every test that reads a fresh run's artifact)."""
+    (:func:`cel_utils.pipeline.artifacts.from_json`: every test that reads a fresh run's artifact)."""
     if shutil.which("mypy") is None and subprocess.run([sys.executable, "-m", "mypy", "--version"],
                                                        capture_output=True).returncode != 0:
         pytest.fail("mypy is not installed: `make test` installs it (pyproject.toml's dependencies)")
@@ -108,7 +108,7 @@ def test_a_version_1_artifact_is_read_in_todays_form(fixture, tmp_path):
     assert raw["schema_version"] == 1 and "control" not in raw  # from before the control existed
     artifact = read_artifact(fixture)
     assert artifact["schema_version"] == schema.SCHEMA_VERSION
-    assert schema.missing_keys(artifact, schema.RunArtifact) == []
+    assert missing_keys(artifact, schema.RunArtifact) == []
     assert artifact["control"] is None and artifact["floors"] is None and artifact["config"]["ablation"] == "zero"
     assert artifact["reliability"]["verdict"] is None  # a part it never had: absent, not invented
     # what it had is unchanged, in its order; only absent parts were added
@@ -125,14 +125,14 @@ def test_an_artifact_of_today_passes_through_unchanged_and_a_broken_one_names_wh
     from test_report import make_artifact
 
     artifact = make_artifact()
-    assert schema.from_json(json.loads(json.dumps(artifact))) == artifact  # version 2: no migration
-    assert schema.from_json(dict(artifact, schema_version=1)) == artifact  # a complete version 1: only its number
+    assert from_json(json.loads(json.dumps(artifact))) == artifact  # version 2: no migration
+    assert from_json(dict(artifact, schema_version=1)) == artifact  # a complete version 1: only its number
     broken = {k: v for k, v in artifact.items() if k != "frozen"}
     broken["holdout"] = {k: v for k, v in artifact["holdout"].items() if k != "heads_label"}
     with pytest.raises(ValueError, match=r"lacks frozen, holdout\.heads_label"):
-        schema.from_json(broken, "x.json")
+        from_json(broken, "x.json")
     with pytest.raises(ValueError, match="schema_version 99, this cel_utils reads 2"):
-        schema.from_json(dict(artifact, schema_version=99), "x.json")
+        from_json(dict(artifact, schema_version=99), "x.json")
 
 
 def test_the_results_page_reads_version_1_artifacts():

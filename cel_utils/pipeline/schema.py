@@ -5,18 +5,15 @@ A run's artifact (``kind: cel-run``), a model's transfer matrix (``cel-transfer`
 sees every read (``tests/test_schema.py`` runs mypy over the readers and fails on a key the schema does not declare),
 and at run time they are plain dicts: an artifact's bytes are exactly what :func:`json.dumps` writes of them.
 
-Every artifact is read through :func:`from_json`, which checks that the sections are there (a clear error names a
-missing one) and upgrades an older file in **one** place, :func:`migrate_v1`: version 1 grew sections while its number
+Every artifact is read through :func:`cel_utils.pipeline.artifacts.from_json`, which checks that the sections are there
+(a clear error names a missing one) and upgrades an older file in **one** place,
+:func:`~cel_utils.pipeline.artifacts.migrate_v1`: version 1 grew sections while its number
 stayed 1 (the control, the floors, the precision record, the discovery flips, ...), and an artifact written before a
 section existed gets that section as ``None`` (or the value its absence meant, as for ``config.ablation``). A reader
 therefore never needs ``.get`` with a fallback for an old file: what may be absent is typed ``X | None``.
 """
 # No `from __future__ import annotations` here: NotRequired must be seen at class creation (Python 3.11 does not
 # find it in string annotations, and would call every key required).
-import json
-import types
-import typing
-from pathlib import Path
 from typing import Any, NotRequired, TypedDict
 
 from cel_utils.pipeline.stats_schema import Margin, PairedTest, Power, Reliability, Verdict
@@ -327,91 +324,3 @@ class StrategiesArtifact(TypedDict):
 
 
 # -- reading and writing ------------------------------------------------------------------------------------------------
-
-SCHEMAS: dict[str, type] = {RUN: RunArtifact, TRANSFER: TransferArtifact, STRATEGIES: StrategiesArtifact}
-
-
-def migrate_v1(payload: dict) -> dict:
-    """A version-1 artifact in today's form: the one place that knows what older files lack. Sections added while the
-    version stayed 1 become None (absent); settings added since take the value their absence meant."""
-    payload = dict(payload, schema_version=SCHEMA_VERSION)
-    if payload.get("kind") == STRATEGIES:  # the screens' agreement and attribution came later
-        payload.setdefault("screening", None)
-        payload.setdefault("attribution_skipped", None)
-    if payload.get("kind", RUN) != RUN:
-        return payload  # a transfer matrix: the same fields in both versions
-    payload.setdefault("kind", RUN)
-    for section in ("precision", "prompt", "discovery_flips", "floors", "control", "reliability", "sandbox"):
-        payload.setdefault(section, None)
-    payload.setdefault("stage1_method", {"method": "exact"})
-    config = payload["config"] = dict(payload["config"])
-    config.setdefault("ablation", "zero")  # before mean-ablation every run zero-ablated
-    data = payload["data"] = dict(payload["data"])
-    data.setdefault("n_discovery", config.get("n_discovery"))
-    holdout = payload["holdout"] = dict(payload["holdout"])
-    for key in ("item_ids", "full_correct", "ablated_correct", "full_metric_vectors", "ablated_metric_vectors",
-                "full_predictions", "ablated_predictions"):
-        holdout.setdefault(key, None)
-    holdout.setdefault("examples", [])
-    if payload["reliability"] is not None:
-        reliability = payload["reliability"] = dict(payload["reliability"])
-        for part in Reliability.__required_keys__:
-            reliability.setdefault(part, None)
-    return payload
-
-
-MIGRATIONS = {1: migrate_v1}
-
-
-def from_json(payload: dict, source: str = "artifact") -> Any:
-    """A parsed artifact in today's form, checked against its schema; ``source`` names it in errors."""
-    version = payload.get("schema_version") if isinstance(payload, dict) else None
-    if version in MIGRATIONS:
-        payload = MIGRATIONS[version](payload)
-    elif version != SCHEMA_VERSION:
-        raise ValueError(f"{source}: schema_version {version!r}, this cel_utils reads {SCHEMA_VERSION} (and "
-                         f"{', '.join(map(str, MIGRATIONS))}); write it again with this version's `cel` command")
-    schema = SCHEMAS.get(payload.get("kind", RUN))
-    if schema is not None:
-        missing = missing_keys(payload, schema)
-        if missing:
-            raise ValueError(f"{source} is not a complete {payload.get('kind')} artifact: it lacks "
-                             f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-    return payload
-
-
-def read(path: Path) -> Any:
-    """An artifact file, through :func:`from_json`; a broken file is an error that names it."""
-    path = Path(path)
-    try:
-        payload = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not a valid CEL artifact (broken JSON: {error})") from None
-    return from_json(payload, str(path))
-
-
-def missing_keys(value: Any, schema: Any, where: str = "") -> list[str]:
-    """The required keys of ``schema`` (a TypedDict, nested ones included) that ``value`` lacks, as dotted paths."""
-    schema = _strip_none(schema)
-    if typing.is_typeddict(schema) and isinstance(value, dict):
-        hints = typing.get_type_hints(schema)
-        missing = [f"{where}{key}" for key in schema.__required_keys__ if key not in value]
-        for key, hint in hints.items():
-            if key in value and value[key] is not None:
-                missing += missing_keys(value[key], hint, f"{where}{key}.")
-        return missing
-    if typing.get_origin(schema) is list and isinstance(value, list) and value:
-        (item,) = typing.get_args(schema)
-        if typing.is_typeddict(_strip_none(item)):
-            return missing_keys(value[0], item, where.rstrip(".") + "[0].")  # rows are written alike: the first tells
-    return []
-
-
-def _strip_none(hint: Any) -> Any:
-    """``X | None`` -> ``X`` (and ``NotRequired[X]`` -> ``X``); other hints as they are."""
-    if typing.get_origin(hint) is NotRequired:
-        hint = typing.get_args(hint)[0]
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
-        return args[0]
-    return hint
