@@ -21,101 +21,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from cel_utils.config import (
-    BOOK_MODELS,
-    BOOK_SEED,
-    DEFAULT_MODEL,
-    PRESET_TASKS,
-    RunConfig,
-    StrategiesConfig,
-    TransferConfig,
-    add_setting_flags,
-    given_settings,
-    setting_help,
-)
-from cel_utils.presets import PRESET_NAMES, default_tasks
-
-
-def _selection_arguments(parser: argparse.ArgumentParser, title: str, tasks_required: bool = False,
-                         models: tuple[str, ...] = (DEFAULT_MODEL,), seed: int = 0) -> None:
-    """Which (model, task, seed) cells, with which preset: shared by ``grid``/``main`` and ``strategies``; ``models``
-    and ``seed`` are the defaults (``main``'s are the book's, :data:`cel_utils.presets.BOOK_MODELS` and ``BOOK_SEED``)."""
-    g = parser.add_argument_group(title)
-    g.add_argument("--models", nargs="+", default=list(models), metavar="MODEL",
-                   help=setting_help("model").replace("model spec", "model specs") + f" (default: {' '.join(models)})")
-    tasks_default = "" if tasks_required else " (default: the preset's, " + "; ".join(
-        f"{name}: {' '.join(tasks)}" for name, tasks in PRESET_TASKS.items()) + ")"
-    g.add_argument("--tasks", nargs="+", metavar="TASK", required=tasks_required,
-                   help=setting_help("task").replace("task:", "tasks:") + tasks_default)
-    g.add_argument("--seeds", nargs="+", type=int, default=[seed], metavar="SEED",
-                   help=setting_help("seed") + f" (default: {seed})")
-    # auto, not RunConfig's none: a grid sizes its runs for where they run (see RunConfig.preset, cel_utils/config.py)
-    g.add_argument("--preset", choices=PRESET_NAMES, default="auto",
-                   help="per-task sizes and search settings (cel_utils.config.PRESETS): cpu, paper (Table 3 sizes, "
-                        "p=10, k=3), quick (minutes on a laptop), smoke (tiny, for tests), none (RunConfig's defaults); "
-                        "auto (default): paper where CUDA is available, else cpu, decided where each cell runs")
-
-
-def _settings_arguments(parser: argparse.ArgumentParser, config_class: type = RunConfig) -> None:
-    add_setting_flags(parser.add_argument_group("run settings (each replaces the preset's value for every task)"),
-                      config_class)
-
-
-def _execution_arguments(parser: argparse.ArgumentParser) -> None:
-    from cel_utils.grid import EXECUTORS
-    from cel_utils.grid.slurm import add_slurm_flags
-
-    x = parser.add_argument_group("execution")
-    x.add_argument("--executor", choices=EXECUTORS, default="local",
-                   help="local (default: in this process, or --jobs worker processes), submitit-local (one submitit "
-                        "job per cell on this machine), slurm (one Slurm job per cell, or one job array)")
-    x.add_argument("--jobs", type=int, default=1, help="cells run at once by the local executor, and (main) models' "
-                                                       "transfer steps at once after them (default 1)")
-    x.add_argument("--skip-existing", action="store_true",
-                   help="skip cells whose artifact and page exist and were made with the same result-changing settings")
-    x.add_argument("--notebook", default=None, help="the run notebook (default: notebooks/cel_run.ipynb)")
-    x.add_argument("--submitit-dir", help="submitit's job folder, with each job's log (default: <results-dir>/submitit)")
-    add_slurm_flags(parser)
-
-
-def _slurm_options(args):
-    """The Slurm options the flags ask for; ValueError for flags that do not fit the executor or bad values."""
-    from cel_utils.grid.slurm import slurm_options_from_flags
-
-    if args.jobs != 1 and args.executor != "local":
-        raise ValueError(f"--jobs is for --executor local; with --executor {args.executor} every cell is its own job "
-                         "(cap how many run at once with --slurm-array N)")
-    if args.submitit_dir and args.executor == "local":
-        raise ValueError("--submitit-dir is for --executor submitit-local or slurm")
-    return slurm_options_from_flags(args)
-
-
-def _grid_arguments(parser: argparse.ArgumentParser) -> None:
-    _selection_arguments(parser, "grid")
-    _settings_arguments(parser)
-    _execution_arguments(parser)
-
-
-def _main_arguments(parser: argparse.ArgumentParser) -> None:
-    """``grid``'s, with the book's models and seed as defaults: the seed no preset decision has seen (presets.py); and
-    the transfer step's setting."""
-    _selection_arguments(parser, "grid", models=BOOK_MODELS, seed=BOOK_SEED)
-    _settings_arguments(parser, TransferConfig)  # RunConfig's flags go to the grid, transfer_items to the transfer
-    _execution_arguments(parser)
-
-
-def _path_arguments(parser: argparse.ArgumentParser) -> None:
-    p = parser.add_argument_group("paths")
-    p.add_argument("--root", default=".", help="the book root, holding _config.yml (default: .)")
-    p.add_argument("--runs-dir", help="executed run notebooks, the book's run pages (default: <root>/book/runs)")
-    p.add_argument("--results-dir", help=setting_help("results_dir") + " (default: <root>/results)")
-
-
-def _book_arguments(parser: argparse.ArgumentParser) -> None:
-    b = parser.add_argument_group("book")
-    b.add_argument("--theory", choices=("reuse", "run", "skip"), default="reuse",
-                   help="theory notebooks: reuse (default: execute when missing or out of date), run (always), skip")
-    b.add_argument("--no-build", action="store_true", help="generate the pages, skip jupyter-book")
+from cel_utils.cli_flags import (book_arguments, export_arguments, grid_arguments, list_arguments, main_arguments,
+                                 path_arguments, slurm_options, strategies_arguments, transfer_arguments)
+from cel_utils.config import PRESET_TASKS, RunConfig, StrategiesConfig, TransferConfig, given_settings
+from cel_utils.presets import default_tasks
 
 
 def _paths(args):
@@ -143,7 +52,7 @@ def cmd_grid(args) -> int:
     from cel_utils import grid
 
     try:
-        slurm = _slurm_options(args)
+        slurm = slurm_options(args)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -276,28 +185,6 @@ def cmd_strategies(args) -> int:
     return status
 
 
-def _strategies_arguments(parser: argparse.ArgumentParser) -> None:
-    _selection_arguments(parser, "what to compare (sizes and p, k as for the grid: the same items as the run pages of "
-                                 "the same preset)", tasks_required=True)
-    _settings_arguments(parser, StrategiesConfig)
-    parser.add_argument("--notebook", help="the strategies notebook (default: notebooks/cel_strategies.ipynb)")
-
-
-def _transfer_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("which matrices (from the run artifacts in --results-dir)")
-    g.add_argument("--models", nargs="+", default=list(BOOK_MODELS), metavar="MODEL",
-                   help=f"model specs (default: the book's, {' '.join(BOOK_MODELS)})")
-    g.add_argument("--tasks", nargs="+", metavar="TASK",
-                   help="the tasks (rows and columns; each needs its run's artifact; default: every task the model ran)")
-    g.add_argument("--seeds", nargs="+", type=int, default=[BOOK_SEED], metavar="SEED",
-                   help=f"{setting_help('seed')} (default: {BOOK_SEED})")
-    g.add_argument("--jobs", type=int, default=1, help="matrices computed at once, one worker process each (default 1)")
-    s = parser.add_argument_group("settings (every other one is the run's, from its artifact)")
-    from cel_utils.pipeline.transfer import TRANSFER_SETTINGS
-
-    add_setting_flags(s, TransferConfig, only=TRANSFER_SETTINGS)
-
-
 def cmd_export(args) -> int:
     from cel_utils.models.heads import parse_head
     from cel_utils.models.loading import load_model
@@ -324,22 +211,6 @@ def cmd_export(args) -> int:
     print(f"check: largest |logit difference| between the export (loaded without cel_utils) and the hooked model: "
           f"{difference:.2e}")
     return 0 if difference <= args.tolerance else 1
-
-
-def _export_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--artifact", required=True, help="a run's JSON artifact (results/<model>__<task>__seed<N>.json)")
-    parser.add_argument("--out", required=True, help="the folder to write the checkpoint to")
-    parser.add_argument("--device", default="cpu", help="where to load the model (default: cpu)")
-    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty folder")
-    parser.add_argument("--force", action="store_true", help="export even if the model's weights changed since the run")
-    parser.add_argument("--no-verify", action="store_true", help="skip the logit check in a clean process")
-    parser.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed logit difference (default 1e-4)")
-
-
-def _list_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--lmeval", metavar="PART", default=None,
-                        help="list lm-evaluation-harness's tasks, groups and tags whose name contains PART (\"\" for "
-                             "all; with $CEL_LMEVAL_INCLUDE's folders), each runnable task as lmeval:<name>")
 
 
 def _list_lmeval(part: str) -> int:
@@ -396,19 +267,19 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument("--version", action="version", version=f"cel-book {own_version}")
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands = {
-        "grid": ("run the per-run notebook for a grid of models x tasks x seeds", cmd_grid, [_grid_arguments, _path_arguments]),
+        "grid": ("run the per-run notebook for a grid of models x tasks x seeds", cmd_grid, [grid_arguments, path_arguments]),
         "main": ("grid of the book's models and seed with the default preset, then book", cmd_main,
-                 [_main_arguments, _path_arguments, _book_arguments]),
+                 [main_arguments, path_arguments, book_arguments]),
         "transfer": ("score each model's frozen sets on the holdouts of its other tasks (the transfer matrix)",
-                     cmd_transfer, [_transfer_arguments, _path_arguments]),
-        "book": ("theory notebooks, results page, toc, and jupyter-book build", cmd_book, [_path_arguments, _book_arguments]),
-        "aggregate": ("write the results page from the artifacts", cmd_aggregate, [_path_arguments]),
-        "toc": ("print the table of contents and the executed notebooks it picks up", cmd_toc, [_path_arguments]),
+                     cmd_transfer, [transfer_arguments, path_arguments]),
+        "book": ("theory notebooks, results page, toc, and jupyter-book build", cmd_book, [path_arguments, book_arguments]),
+        "aggregate": ("write the results page from the artifacts", cmd_aggregate, [path_arguments]),
+        "toc": ("print the table of contents and the executed notebooks it picks up", cmd_toc, [path_arguments]),
         "strategies": ("compare search strategies on (model, task, seed) cells; executes notebooks/cel_strategies.ipynb",
-                       cmd_strategies, [_strategies_arguments, _path_arguments]),
-        "export": ("write a run's frozen ablation as a standard Hugging Face checkpoint", cmd_export, [_export_arguments]),
+                       cmd_strategies, [strategies_arguments, path_arguments]),
+        "export": ("write a run's frozen ablation as a standard Hugging Face checkpoint", cmd_export, [export_arguments]),
         "list": ("the tasks, presets and model families this version knows; --lmeval: lm-eval's tasks", cmd_list,
-                 [_list_arguments]),
+                 [list_arguments]),
     }
     for name, (help_text, func, adders) in commands.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
