@@ -20,6 +20,9 @@ engine skips the repeats without changing what is computed:
   (:mod:`cel_utils.evaluation.layout`).
 * **Length batching.** Items are tokenized once, sorted by length and batched under a token budget, a
   new batch starting where padding would exceed ``MAX_PADDING`` of a row.
+* **Reuse across calls.** Given a :class:`~cel_utils.evaluation.clean_passes.CleanPasses`, a batch's kept states
+  outlive its call, and a later call on the same inputs that needs no others (stage 2 after stage 1, the control after
+  the holdout) starts from them instead of running the clean pass again.
 
 Loop order is batch-outer, intervention-inner: memory is bounded by one batch's kept states,
 ``rows x tokens x hidden x layers`` values (e.g. 16 x 200 x 576 x 30 fp32 = 221 MB for SmolLM2-135M),
@@ -38,6 +41,7 @@ import numpy as np
 import torch
 
 from cel_utils.evaluation.batching import length_batches
+from cel_utils.evaluation.clean_passes import CleanPasses
 from cel_utils.evaluation.evaluator import Evaluator, Intervention
 from cel_utils.evaluation.layout import Row, after_prefix, layout, repeat_mask, row_inputs
 from cel_utils.evaluation.prefix import (MIN_SHARED_PREFIX, CleanPrefix, clean_prefix, prefix_cache, prefix_states,
@@ -73,7 +77,7 @@ class BatchPass:
     positions: torch.Tensor | None
     attn: torch.Tensor | dict | None
     kept: dict[int, torch.Tensor]
-    clean: torch.Tensor
+    clean: torch.Tensor | None  # None where the call had no full model to score and a kept clean pass served
     prefix: CleanPrefix | None
 
 
@@ -89,17 +93,21 @@ class EngineEvaluator(Evaluator):
     store_kind = f"engine-{ENGINE_VERSION}"
     # What ENGINE_VERSION stands for (see Evaluator.store_sources): batching is not among them, as a batch's name is a
     # hash of its requests, so batches cut otherwise are other records, never old numbers under a new meaning.
-    store_sources = ("cel_utils.evaluation.engine", "cel_utils.evaluation.layout", "cel_utils.evaluation.prefix",
+    store_sources = ("cel_utils.evaluation.engine", "cel_utils.evaluation.clean_passes", "cel_utils.evaluation.layout",
+                     "cel_utils.evaluation.prefix",
                      "cel_utils.evaluation.generation", "cel_utils.tasks.scoring", "cel_utils.models.ablation",
                      "cel_utils.models.plumbing")
 
-    def __init__(self, *args, token_budget: int | None = None, above: LoadedModel | None = None, **kwargs):
+    def __init__(self, *args, token_budget: int | None = None, above: LoadedModel | None = None,
+                 clean_passes: CleanPasses | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.clean_passes = clean_passes  # clean passes kept across calls, shared with the evaluators given the same
         # The engine's one seam for another precision: the model that computes from an intervention's lowest ablated
         # layer up, and decodes. ``lm`` itself, or the guarded precision's fast pass's bfloat16 copy
         # (cel_utils.evaluation.guarded), below which the clean pass, the kept states and the unembedding stay ``lm``'s.
         self.above = above or self.lm
-        self.settings.update(token_budget=token_budget, above=above)  # what sibling() carries besides the base's
+        # what sibling() carries besides the base's
+        self.settings.update(token_budget=token_budget, above=above, clean_passes=clean_passes)
         self.token_budget = token_budget or default_token_budget(self.lm.device)
         self.budget_halvings: list[int] = []  # the token budgets an out-of-memory error made it fall back to
         if self.kind.loglikelihood:
@@ -208,9 +216,8 @@ class EngineEvaluator(Evaluator):
                     after_batch(batch, None, per)
                 continue
             ids, positions, attn = self.batch_inputs(rows)
-            with attention_with_mask(self.lm.model, attn), capture_layer_outputs(self.lm.model, wanted) as kept:
-                clean = base_model(self.lm.model)(input_ids=ids, position_ids=positions, attention_mask=attn,
-                                                  **self.prefix_kwargs(clean_states, len(batch))).last_hidden_state
+            kept, clean = self._clean_pass(batch, ids, positions, attn, wanted, clean_states,
+                                           any(layer == n_layers for layer, _ in todo))
             for layer, chunk in todo:
                 if layer == n_layers:  # the full model: the clean pass itself
                     for index in chunk:
@@ -244,6 +251,22 @@ class EngineEvaluator(Evaluator):
 
     # A batch's forward, in parts: the guarded precision's pair recheck (cel_utils.evaluation.guarded.pair_stats) runs
     # the rows of one batch otherwise stacked, with these same parts.
+
+    def _clean_pass(self, batch: list[int], ids: torch.Tensor, positions: torch.Tensor | None, attn, wanted: list[int],
+                    clean_states, full_model: bool) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
+        """The batch's states after each ``wanted`` layer and, if the ``full_model`` is among what runs, its last hidden
+        state (else None): from the kept clean passes where they hold them, else from a clean pass (kept for later)."""
+        key = None
+        if self.clean_passes is not None:
+            key = self.clean_passes.key(self.lm, ids, positions, attn, self.prefix)
+            if not full_model and (kept := self.clean_passes.get(key, wanted)) is not None:
+                return kept, None
+        with attention_with_mask(self.lm.model, attn), capture_layer_outputs(self.lm.model, wanted) as kept:
+            clean = base_model(self.lm.model)(input_ids=ids, position_ids=positions, attention_mask=attn,
+                                              **self.prefix_kwargs(clean_states, len(batch))).last_hidden_state
+        if key is not None:
+            self.clean_passes.put(key, kept)
+        return kept, clean
 
     def prefix_bytes(self) -> int:
         """Memory of one row's copy of the prefix's keys and values."""

@@ -208,6 +208,8 @@ def batch_pair_stats(engine: EngineEvaluator, held: BatchPass, pairs: Sequence[t
             chunk = group[s:s + stack]
             index = torch.tensor([where[pairs[p][0]] for p in chunk], device=ids.device)
             if layer == n_layers:
+                if held.clean is None:
+                    raise RuntimeError("a full-model pair to recheck, but the batch's pass held no clean last state")
                 hidden = held.clean[index]
             else:
                 row_masks = torch.stack([head_mask(pairs[p][1], geometry) for p in chunk])

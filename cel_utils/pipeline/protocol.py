@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from cel_utils.config import RunConfig
+from cel_utils.evaluation.clean_passes import CleanPasses
 from cel_utils.evaluation.evaluator import Evaluator, EvaluatorProtocol, NaiveEvaluator
 from cel_utils.evaluation.guard import Guard
 from cel_utils.evaluation.guarded import GuardedEvaluator
@@ -65,12 +66,13 @@ def load_for(config: RunConfig) -> LoadedModel:
 
 
 def make_evaluator(lm: LoadedModel, data: TaskData, items, config: RunConfig, progress: bool | str = True,
-                   store: EvalStore | None = None, guard: Guard | None = None, means: HeadMeans | None = None
-                   ) -> EvaluatorProtocol:
+                   store: EvalStore | None = None, guard: Guard | None = None, means: HeadMeans | None = None,
+                   clean_passes: CleanPasses | None = None) -> EvaluatorProtocol:
     """An evaluator of ``items`` as ``config`` says; with ``config.cache`` it reads and writes ``store``
     (default: the store under $CEL_CACHE_DIR). Under the guarded precision, ``guard`` holds the run's evidence about
     bf16's error (shared by the run's evaluators; default: a fresh one). With ``means`` it mean-ablates
-    (:mod:`cel_utils.evaluation.means`)."""
+    (:mod:`cel_utils.evaluation.means`). The fast engine reuses clean passes kept in ``clean_passes``
+    (:mod:`cel_utils.evaluation.clean_passes`; shared by evaluators whose calls follow each other on the same items)."""
     if config.cache and store is None:
         store = EvalStore()
     kwargs = dict(fmt=config.fmt, bos=config.bos, batch_size=config.batch_size, max_new_tokens=config.max_new_tokens,
@@ -85,8 +87,8 @@ def make_evaluator(lm: LoadedModel, data: TaskData, items, config: RunConfig, pr
         if config.engine == "fast":
             from cel_utils.evaluation.engine import EngineEvaluator
 
-            return EngineEvaluator(model, data.task, items, data.fewshot, token_budget=config.token_budget, **kwargs,
-                                   **engine_kwargs)
+            return EngineEvaluator(model, data.task, items, data.fewshot, token_budget=config.token_budget,
+                                   clean_passes=clean_passes, **kwargs, **engine_kwargs)
         return NaiveEvaluator(model, data.task, items, data.fewshot, **kwargs)
 
     if precision == "bf16":
@@ -140,18 +142,24 @@ def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool | s
     start = time.perf_counter()
     # Every evaluator is built (its items tokenized) before the search: a bad item fails now, not hours later.
     on_holdout = holdout_config(config, lm.device)  # fp32 where the search is guarded
-    holdout_evaluator = make_evaluator(lm, data, data.holdout, on_holdout, progress, store, None, search_means)
+    # Stage 2 starts from the states stage 1's clean passes kept, the control from the holdout call's; emptied between.
+    clean_passes = CleanPasses()
+    holdout_evaluator = make_evaluator(lm, data, data.holdout, on_holdout, progress, store, None, search_means,
+                                       clean_passes)
     control_evaluator = make_evaluator(lm, data, data.holdout, on_holdout, progress, store, None,
-                                       None if search_means is not None else means)
+                                       None if search_means is not None else means, clean_passes)
     # The table keeps every per-item outcome of the search, which the stability analysis resamples.
-    discovery = OutcomeTable(make_evaluator(lm, data, data.discovery, config, progress, store, guard, search_means))
+    discovery = OutcomeTable(make_evaluator(lm, data, data.discovery, config, progress, store, guard, search_means,
+                                            clean_passes))
     screen = (run_screen(config.screen, discovery, candidates=config.screen_candidates, items=config.screen_items)
               if config.stage1 == "screened" else None)
     if screen is not None:
         timings["screen_s"] = screen.seconds
+    clean_passes.clear()  # a screen's evaluations are on other items (or another model) than stage 1's
     search = run_search(discovery, p=config.p, k=config.k, screen=screen, keep=config.screen_keep)
     timings.update(search.timings)
     timings["search_s"] = time.perf_counter() - start
+    clean_passes.clear()
 
     start = time.perf_counter()
     holdout = evaluate_holdout(holdout_evaluator, search.frozen)
@@ -160,6 +168,7 @@ def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool | s
     start = time.perf_counter()
     control = score_control(control_evaluator, holdout, means, config.seed)
     timings["control_s"] = time.perf_counter() - start
+    clean_passes.close()  # the null's random sets start elsewhere: nothing later reuses a pass
     floors = kind_of(data.task).floors(data.task, data.holdout)
 
     start = time.perf_counter()
