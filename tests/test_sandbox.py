@@ -120,13 +120,21 @@ def test_fork_bomb_is_contained():
     assert falls_to(before)  # nothing it started survived
 
 
+# What ends a memory bomb must be the memory limit, not the clock: filling 256 MB page by page took up to 0.56 s of
+# CPU here under load, and CI once timed it out twice at T = 2 s. So these get a wall clock the limit beats with room
+# to spare, and a bomb that stops at 1 GB (four times the limit): without the limit it ends in "passed", a failure,
+# in about a second (measured), rather than filling the machine.
+MEMORY_T = 10.0
+
+
 def test_memory_bomb_is_contained():
-    r = run("chunks = []\nwhile True:\n    chunks.append(bytearray(50 << 20))\n", ["assert True"], memory_mb=256)
+    bomb = "chunks = []\nfor _ in range(20):\n    chunks.append(bytearray(50 << 20))\n"
+    r = run(bomb, ["assert True"], memory_mb=256, timeout_s=MEMORY_T)
     assert r.status == "exception" and "MemoryError" in r.stderr
 
 
 def test_huge_single_allocation_fails():
-    r = run("x = bytearray(64 << 30)\n", ["assert True"], memory_mb=256)
+    r = run("x = bytearray(64 << 30)\n", ["assert True"], memory_mb=256, timeout_s=MEMORY_T)
     assert r.status == "exception" and "MemoryError" in r.stderr
 
 
