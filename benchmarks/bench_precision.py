@@ -5,10 +5,14 @@
     python benchmarks/bench_precision.py --tasks boolq --offset 16 --items 32 --heads 0 --pairs 0 --no-plain  # more pairs
     python benchmarks/bench_precision.py --shape holdout --tasks boolq hellaswag                 # a holdout's call
     python benchmarks/bench_precision.py --model gemma3-270m --shape transfer --tasks boolq
+    python benchmarks/bench_precision.py --artifact results/smollm2-135m-instruct__boolq__seed1.json --no-plain --unkept
 
 Shapes (``--shape``): ``stage1``, the full model, ``--heads`` single heads and ``--pairs`` random pairs on the first
 ``--items`` discovery items (a stage-1 or stage-2 call); ``holdout``, the full model and one random pair of heads on the
 preset's holdout items (``--items`` of them, if given); ``transfer``, three random pairs on the preset's transfer items.
+``--artifact`` replays a run's search instead: the full model, the heads its screen kept and stage 2's sets, on its
+discovery items. ``--unkept`` adds guarded with the rechecks after the fast pass running a clean pass of their own (as
+before they read the kept clean passes), to time what reading them saves.
 
 For each task, the same (item, intervention) pairs -- the full model, ``--heads`` single heads spread over the layers
 (0: all of them) and ``--pairs`` random pairs of heads -- are evaluated by the engine in fp32, in plain bf16 (a bfloat16
@@ -24,16 +28,20 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import time
+from pathlib import Path
 
 import numpy as np
 
 from cel_utils.config import TransferConfig
+from cel_utils.evaluation.clean_passes import CleanPasses
 from cel_utils.evaluation.engine import EngineEvaluator
 from cel_utils.evaluation import guarded
 from cel_utils.evaluation.guarded import Guard, GuardedEvaluator
 from cel_utils.evaluation.precision import bf16_model
 from cel_utils.hardware import machine_summary
+from cel_utils.models.heads import parse_head
 from cel_utils.models.loading import load_model
 from cel_utils.tasks.splits import load_task_data
 
@@ -85,12 +93,23 @@ class _RecheckClock:
             setattr(guarded, name, function)
 
 
+def run_calls(path: Path) -> tuple[str, list]:
+    """A run artifact's task and the interventions its search scored (stage 1's, the full model among them, then stage
+    2's sets): the calls of a real run, whose heads the screen chose, in place of heads spread over the layers."""
+    artifact = json.loads(path.read_text())
+    sets = [tuple(parse_head(h) for h in row["heads"]) for part in ("stage1", "stage2") for row in artifact[part]]
+    return artifact["config"]["task"], [()] + [heads for heads in dict.fromkeys(sets) if heads]
+
+
 def bench_task(lm, task: str, n_items: int | None, n_heads: int, n_pairs: int, offset: int = 0,
-               plain: bool = True, pair_seed: int = 0, shape: str = "stage1", model: str | None = None) -> dict:
+               plain: bool = True, pair_seed: int = 0, shape: str = "stage1", model: str | None = None,
+               interventions: list | None = None, unkept: bool = False) -> dict:
     config = TransferConfig.from_dict({"task": task, "preset": "cpu", **({"model": model} if model else {})})
     data = load_task_data(task, config.n_discovery, config.n_holdout, seed=config.seed, num_fewshot=config.num_fewshot,
                           data_dir=config.data_dir)
-    if shape == "stage1":
+    if interventions is not None:
+        pool = data.discovery
+    elif shape == "stage1":
         pool, interventions = data.discovery, _interventions(lm.geometry, n_heads, n_pairs, pair_seed)
     elif shape == "holdout":
         pool, interventions = data.holdout, _interventions(lm.geometry, 1, 1, pair_seed)[::2]  # full model, a pair
@@ -101,16 +120,26 @@ def bench_task(lm, task: str, n_items: int | None, n_heads: int, n_pairs: int, o
     make = functools.partial(EngineEvaluator, task=data.task, items=items, fewshot=data.fewshot, progress=False)
     times, outcomes = {}, {}
     guard = Guard(seed=config.seed)
-    runs = {"fp32": lambda: make(lm), "bf16": lambda: make(bf16_model(lm)),
-            "guarded": lambda: GuardedEvaluator(make(lm), make(lm, above=bf16_model(lm)), guard)}
+
+    def guarded_evaluator(kept: CleanPasses | None, guard: Guard) -> GuardedEvaluator:
+        # as a run builds it: its fp32 engine and its fast pass share the run's kept clean passes
+        return GuardedEvaluator(make(lm, clean_passes=kept), make(lm, above=bf16_model(lm), clean_passes=kept), guard)
+
+    # each with kept clean passes of its own, as a run has them (one call reuses its own passes either way)
+    runs = {"fp32": lambda: make(lm, clean_passes=CleanPasses()), "bf16": lambda: make(bf16_model(lm)),
+            "guarded": lambda: guarded_evaluator(CleanPasses(), guard)}
     if not plain:
         del runs["bf16"]
+    if unkept:  # the guard's rechecks after the pass with a clean pass of their own, as before they read kept states
+        runs["guarded, rechecks unkept"] = lambda: guarded_evaluator(None, Guard(seed=config.seed))
+    clocks = {}
     for name, build in runs.items():
         evaluator = build()
-        with _RecheckClock() as clock:
+        with _RecheckClock() as clocks[name]:
             start = time.perf_counter()
             outcomes[name] = evaluator.evaluate(interventions)
             times[name] = time.perf_counter() - start
+    clock = clocks["guarded"]
     record = guard.to_json()
     per_pair = times["fp32"] / (len(items) * len(interventions))
     return {"task": task, "shape": shape, "model": config.model, "fewshot": len(data.fewshot), "items": len(items),
@@ -122,7 +151,10 @@ def bench_task(lm, task: str, n_items: int | None, n_heads: int, n_pairs: int, o
             "bf16_flips": _flips(outcomes["fp32"], outcomes["bf16"]) if plain else None,
             "guarded_flips": _flips(outcomes["fp32"], outcomes["guarded"]), "share_rechecked": record["share_rechecked"],
             "band": record["band"], "depth_bands": record.get("depth_bands"), "largest_error": record["largest_error"],
-            "fell_back": record["fell_back_to_fp32"], **{f"{k}_s": v for k, v in times.items()}}
+            "fell_back": record["fell_back_to_fp32"], **{f"{k}_s": v for k, v in times.items()},
+            **({"unkept_recheck_cost": clocks["guarded, rechecks unkept"].seconds / max(1, record["rechecked"] +
+                                                                                        record["audited"]) / per_pair,
+                "unkept_flips": _flips(outcomes["fp32"], outcomes["guarded, rechecks unkept"])} if unkept else {})}
 
 
 def main() -> None:
@@ -137,19 +169,27 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a model spec (default: the default model)")
     parser.add_argument("--no-plain", dest="plain", action="store_false",
                         help="skip plain bf16 (only fp32 and guarded: more pairs checked per hour)")
+    parser.add_argument("--artifact", type=Path, nargs="+", default=None,
+                        help="run artifacts: each one's search calls (its task, the heads its screen chose, stage 2's "
+                             "sets) on --items of its discovery items, in place of --tasks, --heads and --pairs")
+    parser.add_argument("--unkept", action="store_true",
+                        help="also guarded with the rechecks after the pass running clean passes of their own")
     args = parser.parse_args()
     print(machine_summary(), flush=True)
     lm = load_model(args.model, dtype="float32") if args.model else load_model(dtype="float32")
     rows = []
-    for task in args.tasks:
+    calls = [run_calls(path) for path in args.artifact] if args.artifact else [(task, None) for task in args.tasks]
+    for task, interventions in calls:
         row = bench_task(lm, task, args.items, args.heads, args.pairs, args.offset, args.plain, args.pair_seed,
-                         args.shape, args.model)
+                         args.shape, args.model, interventions, args.unkept)
         rows.append(row)
         print(row, flush=True)
     print("\n| model | task | shape | items x interventions | plain bf16 flips | guarded flips | share rechecked | bands "
           "(2x largest error; per third) | fp32 s | bf16 s | guarded s | fp32/bf16 | fp32/guarded | fp32 pairs of the guard | "
-          "a recomputed pair / a stacked fp32 pair |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "a recomputed pair / a stacked fp32 pair |"
+          + (" guarded, rechecks unkept s | fp32/that | its recomputed pair / a stacked fp32 pair | its flips |"
+             if args.unkept else ""))
+    print("|---" * (15 + 4 * args.unkept) + "|")
     for r in rows:
         fell = " (fell back)" if r["fell_back"] else ""
         plain = "bf16_s" in r
@@ -160,6 +200,10 @@ def main() -> None:
                  f"{r['bf16_s']:.0f}" if plain else "-", f"{r['guarded_s']:.0f}",
                  f"{r['fp32_s'] / r['bf16_s']:.2f}x" if plain else "-", f"{r['fp32_s'] / r['guarded_s']:.2f}x",
                  str(r["computed_fp32"]), "-" if r["recheck_cost"] is None else f"{r['recheck_cost']:.2f}x"]
+        if args.unkept:
+            unkept = r["guarded, rechecks unkept_s"]
+            cells += [f"{unkept:.0f}", f"{r['fp32_s'] / unkept:.2f}x", f"{r['unkept_recheck_cost']:.2f}x",
+                      str(r["unkept_flips"])]
         print("| " + " | ".join(cells) + " |")
 
 

@@ -99,6 +99,28 @@ def test_what_does_not_fit_is_not_kept(tiny_models, tasks, clean_pass_count):
     assert tight.bytes == 0 and not tight.entries
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_a_recheck_after_the_fast_pass_starts_from_its_kept_states_with_the_same_bits(tiny_models, tasks, family,
+                                                                                      clean_pass_count):
+    """The guarded precision recomputes, after its fast pass, the pairs a band widened by a later batch takes in
+    (guarded.pair_stats): from the states the fast pass kept, not from a clean pass of each batch again."""
+    from cel_utils.evaluation import guarded
+    from cel_utils.evaluation.precision import bf16_model
+
+    lm, data = tiny_models[family], tasks["boolq"]
+    interventions = [(HeadId(1, 0),), (HeadId(2, 1),), (HeadId(1, 2), HeadId(2, 0))]
+    kept = CleanPasses()
+    engine(lm, data, clean_passes=kept, above=bf16_model(lm)).continuation_stats(interventions)  # the fast pass
+    pairs = [(i, heads) for i in range(len(data.discovery)) for heads in interventions]
+    clean_pass_count.clear()
+    reused = guarded.pair_stats(engine(lm, data, clean_passes=kept), pairs)
+    batches = len(engine(lm, data).batches)
+    assert batches > 1 and clean_pass_count == [] and kept.reused == batches
+    fresh = guarded.pair_stats(engine(lm, data), pairs)
+    assert len(clean_pass_count) == batches  # without kept states, a clean pass per batch
+    assert same_bits([reused], [fresh])
+
+
 def test_another_model_is_never_served_a_models_states(tiny_models, tasks):
     """Siblings carry the kept passes to other models (a bf16 copy, for a screen): those get states of their own."""
     import copy

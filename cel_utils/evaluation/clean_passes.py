@@ -13,7 +13,9 @@ that needs no others: the states the later call's own clean pass would have comp
 number keeps its bits (tests/test_clean_passes.py; the default model's BoolQ, HellaSwag and arithmetic_1dc artifacts
 were byte-identical with and without it). What it holds is bounded (``max_bytes``): a state that does not fit is not
 kept, and a call that needs it runs its clean pass as before. A run shares one among its evaluators and empties it
-after the screen, after the search and after the control (:func:`cel_utils.pipeline.protocol.run_cel`).
+after the screen, after the search and after the control (:func:`cel_utils.pipeline.protocol.run_cel`). The guarded
+precision's rechecks after its fast pass read them too (:func:`cel_utils.evaluation.guarded.pair_stats`): the fast pass
+runs fp32's clean pass on fp32's model, so its kept states are those a recheck would compute.
 """
 from __future__ import annotations
 

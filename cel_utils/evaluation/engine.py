@@ -216,8 +216,8 @@ class EngineEvaluator(Evaluator):
                     after_batch(batch, None, per)
                 continue
             ids, positions, attn = self.batch_inputs(rows)
-            kept, clean = self._clean_pass(batch, ids, positions, attn, wanted, clean_states,
-                                           any(layer == n_layers for layer, _ in todo))
+            kept, clean = self.clean_pass(batch, ids, positions, attn, wanted, clean_states,
+                                          any(layer == n_layers for layer, _ in todo))
             for layer, chunk in todo:
                 if layer == n_layers:  # the full model: the clean pass itself
                     for index in chunk:
@@ -252,8 +252,8 @@ class EngineEvaluator(Evaluator):
     # A batch's forward, in parts: the guarded precision's pair recheck (cel_utils.evaluation.guarded.pair_stats) runs
     # the rows of one batch otherwise stacked, with these same parts.
 
-    def _clean_pass(self, batch: list[int], ids: torch.Tensor, positions: torch.Tensor | None, attn, wanted: list[int],
-                    clean_states, full_model: bool) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
+    def clean_pass(self, batch: list[int], ids: torch.Tensor, positions: torch.Tensor | None, attn, wanted: list[int],
+                   clean_states, full_model: bool) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
         """The batch's states after each ``wanted`` layer and, if the ``full_model`` is among what runs, its last hidden
         state (else None): from the kept clean passes where they hold them, else from a clean pass (kept for later)."""
         key = None

@@ -21,8 +21,10 @@ against a whole-model bf16 copy, and the share of pairs inside a 2x band from 23
 The rechecks cost what a pair of fp32's stacked product costs: the fast pass hands the guard each batch's pairs while
 it still holds the batch's fp32 clean pass (``after_batch``), and the pairs to recompute run from its kept states,
 stacked as rows by starting layer (:func:`batch_pair_stats`); only pairs that a band widened by a later batch takes in
-are recomputed after the pass, each batch's after a clean pass of its own (:func:`pair_stats`). Before, every recheck
-ran after the whole pass, and a rechecked pair cost 1.2-1.8x a stacked one (book/speed.md).
+are recomputed after the pass, each batch's from the states the fast pass kept for later calls (the run's kept clean
+passes, :mod:`cel_utils.evaluation.clean_passes`), or after a clean pass of its own where none are kept
+(:func:`pair_stats`). Before, every recheck ran after the whole pass, and a rechecked pair cost 1.2-1.8x a stacked
+one (book/speed.md).
 
 The bands come from evidence (:class:`Guard`): before bf16 is trusted, a random sample of pairs is computed in both
 precisions, and a pair's band is ``multiple`` times the largest error seen among pairs whose intervention starts in
@@ -58,7 +60,7 @@ from cel_utils.evaluation.outcomes import Wrapper
 from cel_utils.evaluation.prefix import clean_prefix, prefix_states
 from cel_utils.models.ablation import ablated_rows, head_mask
 from cel_utils.models.heads import HeadId, format_heads
-from cel_utils.models.plumbing import attention_with_mask, base_model, capture_layer_outputs, start_at_layer
+from cel_utils.models.plumbing import attention_with_mask, base_model, start_at_layer
 from cel_utils.tasks.scoring import ContinuationStats, Outcome
 
 
@@ -159,11 +161,12 @@ def pair_stats(engine: EngineEvaluator, pairs: Sequence[tuple[int, Intervention]
     """The statistics of single (item index, intervention) pairs, without the rest of either's product.
 
     The guarded precision's recheck, on ``engine`` (fp32's), where no clean pass is held: per batch of the engine's that
-    holds a pair, a clean pass keeps the states below each starting layer (as :meth:`EngineEvaluator.continuation_stats`
-    does), then :func:`batch_pair_stats`. Nothing is stored: the stacking differs from the full product's, so the
-    numbers agree with it to float rounding, not to the bit.
+    holds a pair, the states below each starting layer come from the engine's kept clean passes where they hold them
+    (the fast pass just ran the call's, on fp32's model: :mod:`cel_utils.evaluation.clean_passes`), else from a clean
+    pass of the batch (as :meth:`EngineEvaluator.continuation_stats` takes them), then :func:`batch_pair_stats`.
+    Nothing is stored: the stacking differs from the full product's, so the numbers agree with it to float rounding, not
+    to the bit.
     """
-    model = engine.lm.model
     out: list = [None] * len(pairs)
     batch_of = {item: b for b, batch in enumerate(engine.batches) for item in batch}
     by_batch: dict[int, list[int]] = {}
@@ -175,9 +178,8 @@ def pair_stats(engine: EngineEvaluator, pairs: Sequence[tuple[int, Intervention]
         batch = engine.batches[b]
         wanted = sorted({min(h.layer for h in pairs[p][1]) - 1 for p in members if pairs[p][1]} - {-1})
         ids, positions, attn = engine.batch_inputs([engine.rows[i] for i in batch])
-        with attention_with_mask(model, attn), capture_layer_outputs(model, wanted) as kept:
-            clean = base_model(model)(input_ids=ids, position_ids=positions, attention_mask=attn,
-                                      **engine.prefix_kwargs(clean_states, len(batch))).last_hidden_state
+        kept, clean = engine.clean_pass(batch, ids, positions, attn, wanted, clean_states,
+                                        any(not pairs[p][1] for p in members))
         held = BatchPass(batch, ids, positions, attn, kept, clean, prefix_pass)
         for p, stats in zip(members, batch_pair_stats(engine, held, [pairs[p] for p in members])):
             out[p] = stats
