@@ -97,9 +97,10 @@ def collect(lm, task: str, n_items: int | None, n_heads: int, n_pairs: int, mode
     above = FAST[fast](lm)
     seconds = []
     for evaluator in (make(), make(above)):
+        unembedding = _timed(evaluator, "collect_stats")  # the unembedding and log-softmax, fp32 in both passes
         start = time.perf_counter()
-        seconds.append((evaluator.continuation_stats(interventions), time.perf_counter() - start))
-    (exact, exact_s), (fast_stats, fast_s) = seconds
+        seconds.append((evaluator.continuation_stats(interventions), time.perf_counter() - start, unembedding[0]))
+    (exact, exact_s, exact_unembed_s), (fast_stats, fast_s, fast_unembed_s) = seconds
     engine = make()
     rule, spec, requests = engine.kind.item_decision, engine.task, engine.requests
     shape = (len(interventions), len(requests))
@@ -114,8 +115,24 @@ def collect(lm, task: str, n_items: int | None, n_heads: int, n_pairs: int, mode
     out["layers"] = np.repeat(layers[:, None], shape[1], axis=1)
     out["heads"] = np.array([format_heads(heads) for heads in interventions])
     out.update(task=task, model=config.model, items=len(items), interventions=len(interventions),
-               n_layers=lm.geometry.n_layers, fewshot=len(data.fewshot), fast=fast, fp32_s=exact_s, fast_s=fast_s)
+               n_layers=lm.geometry.n_layers, fewshot=len(data.fewshot), fast=fast, fp32_s=exact_s, fast_s=fast_s,
+               fp32_unembed_s=exact_unembed_s, fast_unembed_s=fast_unembed_s)
     return out
+
+
+def _timed(evaluator, name: str) -> list[float]:
+    """Wrap ``evaluator``'s method ``name`` so that the returned one-element list sums the seconds spent in it."""
+    spent, method = [0.0], getattr(evaluator, name)
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    setattr(evaluator, name, timed)
+    return spent
 
 
 def bands(data: dict, audit: np.ndarray, multiple: float, groups: int = DEPTH_GROUPS) -> dict[str, np.ndarray]:
@@ -233,7 +250,8 @@ def main() -> None:
               f"differing decisions {int(data['differs'].sum())} of {data['differs'].size}", flush=True)
         if "fast_s" in data:
             print(f"  seconds: fp32 {float(data['fp32_s']):.1f}, fast pass ({data['fast']}) "
-                  f"{float(data['fast_s']):.1f}")
+                  f"{float(data['fast_s']):.1f}; of them in the unembedding and log-softmax (fp32 in both) "
+                  f"{float(data['fp32_unembed_s']):.1f} and {float(data['fast_unembed_s']):.1f}")
         print("  what the error depends on:", {k: round(v, 4) for k, v in error_structure(data).items()}, flush=True)
     names = list(rows[0][1])
     print(f"\nShare of pairs inside the band (mean over {args.draws} first audits of {AUDIT_PAIRS} pairs; multiple "
