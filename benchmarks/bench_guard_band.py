@@ -52,7 +52,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench_precision import _interventions, run_calls
+from bench_precision import Clock, _interventions, run_calls
 from cel_utils.config import TransferConfig
 from cel_utils.evaluation.engine import EngineEvaluator
 from cel_utils.evaluation.guard import AUDIT_PAIRS, DEPTH_GROUPS, SAFETY_MULTIPLE, Guard, depth_group
@@ -97,9 +97,10 @@ def collect(lm, task: str, n_items: int | None, n_heads: int, n_pairs: int, mode
     above = FAST[fast](lm)
     seconds = []
     for evaluator in (make(), make(above)):
-        unembedding = _timed(evaluator, "collect_stats")  # the unembedding and log-softmax, fp32 in both passes
-        start = time.perf_counter()
-        seconds.append((evaluator.continuation_stats(interventions), time.perf_counter() - start, unembedding[0]))
+        with Clock(evaluator, ("collect_stats",)) as unembedding:  # the unembedding and log-softmax, fp32 in both
+            start = time.perf_counter()
+            stats = evaluator.continuation_stats(interventions)
+        seconds.append((stats, time.perf_counter() - start, unembedding.seconds))
     (exact, exact_s, exact_unembed_s), (fast_stats, fast_s, fast_unembed_s) = seconds
     engine = make()
     rule, spec, requests = engine.kind.item_decision, engine.task, engine.requests
@@ -118,21 +119,6 @@ def collect(lm, task: str, n_items: int | None, n_heads: int, n_pairs: int, mode
                n_layers=lm.geometry.n_layers, fewshot=len(data.fewshot), fast=fast, fp32_s=exact_s, fast_s=fast_s,
                fp32_unembed_s=exact_unembed_s, fast_unembed_s=fast_unembed_s)
     return out
-
-
-def _timed(evaluator, name: str) -> list[float]:
-    """Wrap ``evaluator``'s method ``name`` so that the returned one-element list sums the seconds spent in it."""
-    spent, method = [0.0], getattr(evaluator, name)
-
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return method(*args, **kwargs)
-        finally:
-            spent[0] += time.perf_counter() - start
-
-    setattr(evaluator, name, timed)
-    return spent
 
 
 def bands(data: dict, audit: np.ndarray, multiple: float, groups: int = DEPTH_GROUPS) -> dict[str, np.ndarray]:
@@ -184,9 +170,10 @@ def error_structure(data: dict) -> dict[str, float]:
 
 def replay_guard(data: dict, draws: int) -> tuple[float, float, float]:
     """The guard itself (:meth:`Guard.check`) over the whole call, once per seed: unlike the rules above it also
-    learns from the errors of the pairs it rechecks, so its bands grow with the call. Means over ``draws`` seeds of
-    the share of pairs rechecked, of the bf16 decisions that differ from fp32's left outside the final bands, and of
-    the audited pairs outside them that differed (each would make a run fall back to fp32)."""
+    learns from the errors of the pairs it rechecks, so its bands grow with the call. Over ``draws`` seeds: the mean
+    share of pairs rechecked, the mean number of bf16 decisions that differ from fp32's left outside the final bands,
+    and the share of seeds whose audit found one outside them (a run would fall back to fp32 there, so its share is
+    not what that run pays)."""
     margin, error, differs = data["margin"], data["error"], data["differs"].astype(bool)
     n_layers = int(data["n_layers"])
     depths = [depth_group(n_layers - int(n), n_layers) for n in data["layers"][:, 0]]
@@ -196,7 +183,7 @@ def replay_guard(data: dict, draws: int) -> tuple[float, float, float]:
         differing = guard.check(margin, lambda pairs: [float(error[pair]) for pair in pairs],
                                 lambda pair: bool(differs[pair]), depths=depths)
         inside = margin <= np.array([guard.depth_band(depth) for depth in depths])[:, None]
-        totals.append((guard.rechecked / guard.pairs, (differs & ~inside).sum(), len(differing)))
+        totals.append((guard.rechecked / guard.pairs, (differs & ~inside).sum(), bool(differing)))
     return tuple(np.mean(totals, axis=0))
 
 
@@ -243,11 +230,13 @@ def main() -> None:
             np.savez(args.save / f"{data['model']}__{data['task']}{suffix}.npz", **data)
         result = replay(data, args.draws, args.multiple, groups=args.groups)
         if args.multiple == SAFETY_MULTIPLE and args.groups == DEPTH_GROUPS:  # the guard's own settings only
-            share, missed, _ = replay_guard(data, args.draws)
+            share, missed, fell_back = replay_guard(data, args.draws)
             result["the guard, whole call"] = (share, np.nan, missed)
         rows.append((data, result))
         print(data["task"], {k: tuple(round(float(x), 4) for x in v) for k, v in result.items()},
               f"differing decisions {int(data['differs'].sum())} of {data['differs'].size}", flush=True)
+        if "the guard, whole call" in result:
+            print(f"  the guard fell back to fp32 in {fell_back:.1%} of {args.draws} seeds")
         if "fast_s" in data:
             print(f"  seconds: fp32 {float(data['fp32_s']):.1f}, fast pass ({data['fast']}) "
                   f"{float(data['fast_s']):.1f}; of them in the unembedding and log-softmax (fp32 in both) "

@@ -64,16 +64,17 @@ def _flips(reference, candidate) -> int:
                    for a, b in zip(reference, candidate)))
 
 
-class _RecheckClock:
-    """The seconds the guarded precision spends recomputing pairs in fp32 (both of guarded.py's recheck paths)."""
+class Clock:
+    """The seconds spent in the callables ``names`` of ``owner`` (a module's functions or an object's methods) while
+    entered. A timed call made from inside another counts once (``pair_stats`` calls ``batch_pair_stats``)."""
 
-    def __init__(self):
-        self.seconds, self.depth = 0.0, 0  # pair_stats calls batch_pair_stats: count the outer call only
-        self.saved = {name: getattr(guarded, name) for name in ("pair_stats", "batch_pair_stats")}
+    def __init__(self, owner, names: tuple[str, ...]):
+        self.owner, self.seconds, self.depth = owner, 0.0, 0
+        self.saved = {name: getattr(owner, name) for name in names}
 
     def __enter__(self):
         for name, function in self.saved.items():
-            setattr(guarded, name, self._timed(function))
+            setattr(self.owner, name, self._timed(function))
         return self
 
     def _timed(self, function):
@@ -90,7 +91,10 @@ class _RecheckClock:
 
     def __exit__(self, *exc):
         for name, function in self.saved.items():
-            setattr(guarded, name, function)
+            setattr(self.owner, name, function)
+
+
+RECHECKS = ("pair_stats", "batch_pair_stats")  # guarded.py's two recheck paths, which Clock(guarded, RECHECKS) times
 
 
 def run_calls(path: Path) -> tuple[str, list]:
@@ -119,41 +123,47 @@ def bench_task(lm, task: str, n_items: int | None, n_heads: int, n_pairs: int, o
     items = pool[offset:offset + n_items] if n_items else pool[offset:]
     make = functools.partial(EngineEvaluator, task=data.task, items=items, fewshot=data.fewshot, progress=False)
     times, outcomes = {}, {}
-    guard = Guard(seed=config.seed)
 
     def guarded_evaluator(kept: CleanPasses | None, guard: Guard) -> GuardedEvaluator:
         # as a run builds it: its fp32 engine and its fast pass share the run's kept clean passes
         return GuardedEvaluator(make(lm, clean_passes=kept), make(lm, above=bf16_model(lm), clean_passes=kept), guard)
 
-    # each with kept clean passes of its own, as a run has them (one call reuses its own passes either way)
+    # fp32 and guarded each with kept clean passes of their own, as a run has them (one call reuses its own passes
+    # either way); plain bf16 without, as it was timed before
+    guards = {"guarded": Guard(seed=config.seed)}
     runs = {"fp32": lambda: make(lm, clean_passes=CleanPasses()), "bf16": lambda: make(bf16_model(lm)),
-            "guarded": lambda: guarded_evaluator(CleanPasses(), guard)}
+            "guarded": lambda: guarded_evaluator(CleanPasses(), guards["guarded"])}
     if not plain:
         del runs["bf16"]
     if unkept:  # the guard's rechecks after the pass with a clean pass of their own, as before they read kept states
-        runs["guarded, rechecks unkept"] = lambda: guarded_evaluator(None, Guard(seed=config.seed))
+        guards["guarded, rechecks unkept"] = Guard(seed=config.seed)
+        runs["guarded, rechecks unkept"] = lambda: guarded_evaluator(None, guards["guarded, rechecks unkept"])
     clocks = {}
     for name, build in runs.items():
         evaluator = build()
-        with _RecheckClock() as clocks[name]:
+        with Clock(guarded, RECHECKS) as clocks[name]:
             start = time.perf_counter()
             outcomes[name] = evaluator.evaluate(interventions)
             times[name] = time.perf_counter() - start
-    clock = clocks["guarded"]
-    record = guard.to_json()
     per_pair = times["fp32"] / (len(items) * len(interventions))
+
+    def recheck_cost(name: str) -> float | None:
+        """A pair that guard ``name`` computed in fp32 too, in pairs of fp32's stacked product."""
+        record = guards[name].to_json()
+        computed = record["rechecked"] + record["audited"]
+        return clocks[name].seconds / max(1, computed) / per_pair if clocks[name].seconds else None
+
+    record = guards["guarded"].to_json()
     return {"task": task, "shape": shape, "model": config.model, "fewshot": len(data.fewshot), "items": len(items),
             "interventions": len(interventions), "pairs": len(items) * len(interventions),
-            "recheck_s": clock.seconds, "computed_fp32": record["rechecked"] + record["audited"],
+            "recheck_s": clocks["guarded"].seconds, "computed_fp32": record["rechecked"] + record["audited"],
             # decoding (MBPP) recomputes rows in guarded_generation, not timed here
-            "recheck_cost": (clock.seconds / max(1, record["rechecked"] + record["audited"]) / per_pair
-                             if clock.seconds else None),
+            "recheck_cost": recheck_cost("guarded"),
             "bf16_flips": _flips(outcomes["fp32"], outcomes["bf16"]) if plain else None,
             "guarded_flips": _flips(outcomes["fp32"], outcomes["guarded"]), "share_rechecked": record["share_rechecked"],
             "band": record["band"], "depth_bands": record.get("depth_bands"), "largest_error": record["largest_error"],
             "fell_back": record["fell_back_to_fp32"], **{f"{k}_s": v for k, v in times.items()},
-            **({"unkept_recheck_cost": clocks["guarded, rechecks unkept"].seconds / max(1, record["rechecked"] +
-                                                                                        record["audited"]) / per_pair,
+            **({"unkept_recheck_cost": recheck_cost("guarded, rechecks unkept"),
                 "unkept_flips": _flips(outcomes["fp32"], outcomes["guarded, rechecks unkept"])} if unkept else {})}
 
 

@@ -109,7 +109,7 @@ class GuardedEvaluator(Wrapper):
         def errors(pairs: list[Pair]) -> list[float]:
             return [rule.margin_error(task, requests[i], fast[u][i], exact[u, i]) for u, i in pairs]
 
-        def recheck(pairs: list[Pair]) -> list[float]:  # each batch's pairs after a clean pass of their own
+        def recheck(pairs: list[Pair]) -> list[float]:  # after the pass (pair_stats)
             for pair, value in zip(pairs, pair_stats(self.exact, [(i, unique[u]) for u, i in pairs])):
                 exact[pair] = value
             return errors(pairs)
