@@ -58,6 +58,27 @@ def test_boolq_reads_two_vocabulary_rows_and_hellaswag_packs_answers(tiny_models
         assert len(row.tokens) == naive_tokens - 3 * len(request.context)  # the context once, not four times
 
 
+@pytest.mark.parametrize("task", ["hellaswag", "arithmetic"])
+def test_only_a_kind_that_reads_the_greedy_statistics_gets_them_and_the_log_likelihoods_are_the_same_bits(
+        tiny_models, task_data, task):
+    import dataclasses
+
+    lm, data = tiny_models["llama"], task_data[task]
+    interventions = _interventions(lm.geometry)
+    own = EngineEvaluator(lm, data.task, data.discovery, data.fewshot, progress=False)
+    forced = EngineEvaluator(lm, data.task, data.discovery, data.fewshot, progress=False)
+    forced.kind = dataclasses.replace(forced.kind, reads_greedy=True)  # the engine before multiple choice skipped them
+    assert not own.shortcut  # HellaSwag's multi-token answers: the path that scores every vocabulary row
+    ours, theirs = ([s for per in e.continuation_stats(interventions) for s in per] for e in (own, forced))
+    assert all(x.ll.tobytes() == y.ll.tobytes() for x, y in zip(ours, theirs))
+    margins, forced_margins = (np.concatenate([s.greedy_margin for s in stats]) for stats in (ours, theirs))
+    assert np.isfinite(forced_margins).all()
+    if own.kind.reads_greedy:  # arithmetic: teacher-forced greedy match decides by them
+        assert task == "arithmetic" and margins.tobytes() == forced_margins.tobytes()
+    else:
+        assert task == "hellaswag" and np.isnan(margins).all()
+
+
 def test_batches_bound_padding_and_cover_every_item_once(tiny_models, data_dir):
     lm = tiny_models["llama"]
     data = load_task_data("boolq", 12, 3, seed=0, data_dir=data_dir)  # passages of very different lengths

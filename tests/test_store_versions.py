@@ -32,7 +32,9 @@ RECORDED = {
     # zero-ablation computes the same bits: the reference artifacts are unchanged)
     # issue 43, refactors that change no number (the reference artifacts are unchanged): prefix_states is given the
     # prefix's clean pass always; every keyword setting is recorded for sibling() (one evaluator interface)
-    "naive-1": "7a4bd016f24e41af751246487fd1c4ce9ad0b355e2878181ae094f9786fdf7df",
+    # issue 46: continuation_stats can leave the greedy statistics out (the engine's choice kind); the naive path
+    # asks for them as before (what it computes and stores is unchanged)
+    "naive-1": "4203e9bdb7391838cf5db91bf881c3df05f8972f30da3f8aa60573314dac0204",
     # engine-2 (issue 28: packed answers see a sliding window), with issue 27's pair recheck and fast pass (fp32
     # unchanged), the few-shot prefix's clean pass once per call (fp32, fast pass and rechecks bit-identical to
     # before), issue 42's mean-ablation as for naive-1, and pair_stats taking Gemma 3's per-layer-type masks (the
@@ -48,7 +50,11 @@ RECORDED = {
     # and the default model's BoolQ, HellaSwag and arithmetic_1dc artifacts are byte-identical)
     # issue 46: the engine's clean_pass made public (was _clean_pass) for the guarded rechecks after the fast pass,
     # which read the kept clean passes through it; a rename (what the engine computes and stores is unchanged)
-    "engine-2": "df5b75569109f398f9c1b1dfb06ebbe21e6affc8fcf84b30ab9c753816873f1c",
+    # engine-3 (issue 46): a kind whose decision does not read the greedy statistics (multiple choice) stores them
+    # empty (False, NaN), skipping a copy of every scored position's logits and a maximum over them; the
+    # log-likelihoods are the same bits (bench_scoring.py checks it; the reference artifacts are unchanged), but
+    # engine-2's records of such kinds held them, so a new version keeps the two apart
+    "engine-3": "53db7e08d1dfeba4817606eb5122d028d072e12df78bf02a3a6685017b7032d1",
 }
 WHERE = {NaiveEvaluator: "store_kind in cel_utils/evaluation/evaluator.py",
          EngineEvaluator: "ENGINE_VERSION in cel_utils/evaluation/engine.py"}

@@ -54,8 +54,9 @@ from cel_utils.models.plumbing import (attention_windows, attention_with_mask, b
 from cel_utils.tasks.scoring import ContinuationStats, Outcome, continuation_stats
 
 # Bump when the engine's stored numbers change (tests/test_store_versions.py). 2: packed answers see a sliding
-# window (Gemma 3) as the model does; before, a packed row longer than the window attended past it.
-ENGINE_VERSION = "2"
+# window (Gemma 3) as the model does; before, a packed row longer than the window attended past it. 3: a kind whose
+# decision does not read the greedy statistics stores them empty (TaskKind.reads_greedy).
+ENGINE_VERSION = "3"
 # An item shorter than this fraction of its batch's longest starts a new batch. Small batches cost little
 # here because interventions are stacked up to the token budget anyway, while padding is computed in full:
 # BoolQ's and HellaSwag's lengths vary 4x, and batches of 8 were 36% padding.
@@ -313,7 +314,7 @@ class EngineEvaluator(Evaluator):
             for positions, targets in row.scored:
                 part = logits[offset:offset + len(positions)]
                 offset += len(positions)
-                stats.append(continuation_stats(part, torch.tensor(targets, device=device)))
+                stats.append(continuation_stats(part, torch.tensor(targets, device=device), self.kind.reads_greedy))
             out[index] = ContinuationStats(ll=np.array([s[0] for s in stats]), greedy=np.array([s[1] for s in stats]),
                                            greedy_margin=np.array([s[2] for s in stats]))
 

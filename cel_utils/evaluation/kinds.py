@@ -90,6 +90,10 @@ class TaskKind:
     # True: precision auto computes this kind guarded where bf16 is native (cel_utils.evaluation.precision):
     # guarded was measured faster than fp32 for multiple choice only (book/speed.md).
     auto_guarded: bool = False
+    # True: the decision reads whether each target token was the argmax (teacher-forced greedy match), so the engine
+    # computes it (ContinuationStats.greedy and .greedy_margin); elsewhere it leaves them empty, which saves a copy of
+    # every scored position's logits and a maximum over them.
+    reads_greedy: bool = False
     # One item's decision from its statistics, as the guarded precision reads it; None where the store keeps
     # completions, which cel_utils.evaluation.guarded_generation guards by their decoding instead.
     item_decision: ItemDecision | None = None
@@ -206,6 +210,7 @@ KINDS: dict[str, TaskKind] = {
     "greedy": TaskKind("greedy", True, build_requests, decide_greedy, _own_requests, greedy_margin, False, False,
                        _show_greedy, lambda task, doc: repr(task.doc_to_target(doc)), greedy_floors,
                        lambda task: "logits (the smallest gap between a gold token's logit and the best other's)",
+                       reads_greedy=True,
                        item_decision=ItemDecision(_greedy_decision, _greedy_item_margin, _greedy_margin_error),
                        typed_prompt=TypedPrompt("answer", "the expected answer, e.g. ' 42'", _greedy_document,
                                                 {"doc_to_text": _text, "doc_to_target": lambda doc: doc["target"]})),

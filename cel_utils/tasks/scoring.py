@@ -27,7 +27,8 @@ from cel_utils.tasks.specs import TaskSpec
 @dataclass
 class ContinuationStats:
     """Per request, per continuation: summed log-probability, whether every token was the argmax, and the
-    smallest (target logit - best other logit) over its tokens (> 0 iff greedy)."""
+    smallest (target logit - best other logit) over its tokens (> 0 iff greedy). The fast engine leaves the last two
+    empty (False, NaN) for a kind whose decision does not read them (``TaskKind.reads_greedy``)."""
 
     ll: np.ndarray
     greedy: np.ndarray
@@ -123,11 +124,15 @@ def at_least_float32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def continuation_stats(logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, bool, float]:
-    """``logits`` [n, vocab] at the positions that predict ``targets`` [n]."""
+def continuation_stats(logits: torch.Tensor, targets: torch.Tensor, greedy: bool = True) -> tuple[float, bool, float]:
+    """``logits`` [n, vocab] at the positions that predict ``targets`` [n]; ``greedy`` False: the log-likelihood
+    alone (False, NaN for the rest), skipping the copy of the logits and the maximum over them that the greedy margin
+    costs (as much again as the log-softmax: half the scoring of Gemma's 262k rows; book/speed.md)."""
     logits = at_least_float32(logits)
     logprobs = torch.log_softmax(logits, dim=-1)
     target_lp = logprobs.gather(-1, targets[:, None])[:, 0]
+    if not greedy:
+        return float(target_lp.double().sum()), False, float("nan")
     target_logit = logits.gather(-1, targets[:, None])[:, 0]
     others = logits.scatter(-1, targets[:, None], float("-inf"))
     margin = target_logit - others.max(dim=-1).values
