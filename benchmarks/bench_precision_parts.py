@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--positions", type=int, default=256, help="hidden states unembedded")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    print(machine_summary(), f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    print(machine_summary(), flush=True)
     rows = [row for spec in args.models for row in bench_model(spec, args.tokens, args.positions, args.repeats)]
     print("\n| model | part | shape | fp32 s | bf16 s | fp32 / bf16 |\n|---|---|---|---|---|---|")
     for r in rows:

@@ -3,10 +3,10 @@
     python benchmarks/bench_scoring.py
     python benchmarks/bench_scoring.py --models gemma3-270m --items 32 --heads 12
 
-After the unembedding, the engine scores each answer (:func:`cel_utils.tasks.scoring.continuation_stats`): the
-log-softmax over the vocabulary, and, where the task's kind reads it (``TaskKind.reads_greedy``: teacher-forced greedy
-match), whether every target token was the argmax and by how much, which takes a copy of the logits and a maximum over
-them. Multiple choice does not read it. This runs one HellaSwag call (the full model and ``--heads`` single heads spread
+After the unembedding, the engine scores each answer: the log-softmax over the vocabulary
+(:func:`cel_utils.tasks.scoring.continuation_loglikelihood`), and, where the task's kind reads it
+(``TaskKind.reads_greedy``: teacher-forced greedy match), whether every target token was the argmax and by how much
+(:func:`~cel_utils.tasks.scoring.continuation_stats`), which takes a copy of the logits and a maximum over them. Multiple choice does not read it. This runs one HellaSwag call (the full model and ``--heads`` single heads spread
 over the layers, on the first ``--items`` discovery items) with the kind as it is and with the greedy statistics forced
 on (the engine before the change), alternating, ``--repeats`` times each in one process; it checks that the
 log-likelihoods are the same bits, and prints per setting the median seconds of the whole call, of the unembedding
@@ -30,6 +30,7 @@ from cel_utils.models.loading import load_model
 from cel_utils.tasks.splits import load_task_data
 
 SETTINGS = ("the kind's own", "greedy forced on")
+SCORERS = ("continuation_loglikelihood", "continuation_stats")  # engine.py's two, which Clock(engine, SCORERS) times
 
 
 def time_call(lm, model: str, task: str, n_items: int, n_heads: int, repeats: int) -> dict:
@@ -50,7 +51,7 @@ def time_call(lm, model: str, task: str, n_items: int, n_heads: int, repeats: in
     for _ in range(repeats):
         for setting, evaluator in evaluators.items():
             with Clock(engine_module, ("unembed",)) as unembedding, \
-                    Clock(engine_module, ("continuation_stats",)) as scoring:
+                    Clock(engine_module, SCORERS) as scoring:
                 start = time.perf_counter()
                 stats = evaluator.continuation_stats(interventions)
                 whole = time.perf_counter() - start

@@ -34,7 +34,10 @@ RECORDED = {
     # prefix's clean pass always; every keyword setting is recorded for sibling() (one evaluator interface)
     # issue 46: continuation_stats can leave the greedy statistics out (the engine's choice kind); the naive path
     # asks for them as before (what it computes and stores is unchanged)
-    "naive-1": "4203e9bdb7391838cf5db91bf881c3df05f8972f30da3f8aa60573314dac0204",
+    # issue 46: one constructor per form of ContinuationStats (of, log_likelihoods_only) and the log-likelihood as a
+    # function of its own (continuation_loglikelihood), which continuation_stats calls; the same operations in the
+    # same order (the reference artifacts are unchanged)
+    "naive-1": "5b17bf3d3feb41c8518e6b6c2da29ea3beb5f08b6644b20c9f4804d8788f91ab",
     # engine-2 (issue 28: packed answers see a sliding window), with issue 27's pair recheck and fast pass (fp32
     # unchanged), the few-shot prefix's clean pass once per call (fp32, fast pass and rechecks bit-identical to
     # before), issue 42's mean-ablation as for naive-1, and pair_stats taking Gemma 3's per-layer-type masks (the
@@ -54,7 +57,10 @@ RECORDED = {
     # empty (False, NaN), skipping a copy of every scored position's logits and a maximum over them; the
     # log-likelihoods are the same bits (bench_scoring.py checks it; the reference artifacts are unchanged), but
     # engine-2's records of such kinds held them, so a new version keeps the two apart
-    "engine-3": "53db7e08d1dfeba4817606eb5122d028d072e12df78bf02a3a6685017b7032d1",
+    # issue 46: the empty greedy statistics made in one place (ContinuationStats.log_likelihoods_only, for BoolQ's
+    # one-token shortcut and for multiple choice alike) and the log-likelihood alone from continuation_loglikelihood
+    # (the same bits: test_engine compares them against the statistics forced on)
+    "engine-3": "12a7d44778696a72dc94bdf5dfd09aa5a6ebd64e813d725a0f3ea97ee8aaa331",
 }
 WHERE = {NaiveEvaluator: "store_kind in cel_utils/evaluation/evaluator.py",
          EngineEvaluator: "ENGINE_VERSION in cel_utils/evaluation/engine.py"}

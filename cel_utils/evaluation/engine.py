@@ -51,7 +51,7 @@ from cel_utils.models.heads import format_heads
 from cel_utils.models.loading import LoadedModel
 from cel_utils.models.plumbing import (attention_windows, attention_with_mask, base_model, capture_layer_outputs,
                                       start_at_layer, unembed)
-from cel_utils.tasks.scoring import ContinuationStats, Outcome, continuation_stats
+from cel_utils.tasks.scoring import ContinuationStats, Outcome, continuation_loglikelihood, continuation_stats
 
 # Bump when the engine's stored numbers change (tests/test_store_versions.py). 2: packed answers see a sliding
 # window (Gemma 3) as the model does; before, a packed row longer than the window attended past it. 3: a kind whose
@@ -302,21 +302,22 @@ class EngineEvaluator(Evaluator):
                              torch.tensor(vocab, device=device)).double().cpu().numpy()
             for r, (index, row) in enumerate(zip(batch, rows)):
                 lls = np.array([logits[r, column[targets[0]]] for _, targets in row.scored])
-                out[index] = ContinuationStats(ll=lls, greedy=np.zeros(len(lls), bool),
-                                               greedy_margin=np.full(len(lls), np.nan))
+                out[index] = ContinuationStats.log_likelihoods_only(lls)
             return
         row_index = [r for r, row in enumerate(rows) for positions, _ in row.scored for _ in positions]
         pos_index = [p for row in rows for positions, _ in row.scored for p in positions]
         logits = unembed(model, hidden[torch.tensor(row_index, device=device), torch.tensor(pos_index, device=device)])
         offset = 0
         for index, row in zip(batch, rows):
-            stats = []
+            parts = []
             for positions, targets in row.scored:
-                part = logits[offset:offset + len(positions)]
+                parts.append((logits[offset:offset + len(positions)], torch.tensor(targets, device=device)))
                 offset += len(positions)
-                stats.append(continuation_stats(part, torch.tensor(targets, device=device), self.kind.reads_greedy))
-            out[index] = ContinuationStats(ll=np.array([s[0] for s in stats]), greedy=np.array([s[1] for s in stats]),
-                                           greedy_margin=np.array([s[2] for s in stats]))
+            if self.kind.reads_greedy:
+                out[index] = ContinuationStats.of([continuation_stats(*part) for part in parts])
+            else:
+                out[index] = ContinuationStats.log_likelihoods_only(
+                    np.array([continuation_loglikelihood(*part) for part in parts]))
 
     # Generation -------------------------------------------------------------------------------------------
 

@@ -34,6 +34,17 @@ class ContinuationStats:
     greedy: np.ndarray
     greedy_margin: np.ndarray
 
+    @classmethod
+    def of(cls, stats: list[tuple[float, bool, float]]) -> ContinuationStats:
+        """From one :func:`continuation_stats` tuple per continuation."""
+        return cls(ll=np.array([s[0] for s in stats]), greedy=np.array([s[1] for s in stats]),
+                   greedy_margin=np.array([s[2] for s in stats]))
+
+    @classmethod
+    def log_likelihoods_only(cls, ll: np.ndarray) -> ContinuationStats:
+        """``ll`` with the greedy fields empty (False, NaN), for a kind whose decision does not read them."""
+        return cls(ll=ll, greedy=np.zeros(len(ll), bool), greedy_margin=np.full(len(ll), np.nan))
+
 
 @dataclass
 class Outcome:
@@ -124,20 +135,22 @@ def at_least_float32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def continuation_stats(logits: torch.Tensor, targets: torch.Tensor, greedy: bool = True) -> tuple[float, bool, float]:
-    """``logits`` [n, vocab] at the positions that predict ``targets`` [n]; ``greedy`` False: the log-likelihood
-    alone (False, NaN for the rest), skipping the copy of the logits and the maximum over them that the greedy margin
-    costs (more than the log-softmax itself: 6.1 s of 10.3 s of scoring in a HellaSwag call on Gemma's 262k rows;
-    benchmarks/bench_scoring.py)."""
+def continuation_loglikelihood(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    """The summed log-probability of ``targets`` [n] under ``logits`` [n, vocab], the positions that predict them."""
+    logprobs = torch.log_softmax(at_least_float32(logits), dim=-1)
+    return float(logprobs.gather(-1, targets[:, None])[:, 0].double().sum())
+
+
+def continuation_stats(logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, bool, float]:
+    """The log-likelihood, whether every target token is the argmax, and the smallest margin by which it is. The
+    greedy statistics cost a copy of the logits and a maximum over them, more than the log-softmax (6.1 s of 10.3 s of
+    scoring in a HellaSwag call on Gemma's 262k rows; benchmarks/bench_scoring.py), so a kind whose decision does not
+    read them takes :func:`continuation_loglikelihood` alone."""
     logits = at_least_float32(logits)
-    logprobs = torch.log_softmax(logits, dim=-1)
-    target_lp = logprobs.gather(-1, targets[:, None])[:, 0]
-    if not greedy:
-        return float(target_lp.double().sum()), False, float("nan")
     target_logit = logits.gather(-1, targets[:, None])[:, 0]
     others = logits.scatter(-1, targets[:, None], float("-inf"))
     margin = target_logit - others.max(dim=-1).values
-    return float(target_lp.double().sum()), bool((margin > 0).all()), float(margin.min())
+    return continuation_loglikelihood(logits, targets), bool((margin > 0).all()), float(margin.min())
 
 
 def _batches(order: list[int], size: int) -> Iterable[list[int]]:
@@ -170,9 +183,5 @@ def loglikelihoods_naive(lm: LoadedModel, requests: list[Request], heads: Iterab
                 n_ctx, cont = len(requests[r].context), requests[r].continuations[c]
                 positions = slice(n_ctx - 1, n_ctx - 1 + len(cont))
                 results[(r, c)] = continuation_stats(logits[row, positions], torch.tensor(cont, device=lm.device))
-    stats = []
-    for r, request in enumerate(requests):
-        per = [results[(r, c)] for c in range(len(request.continuations))]
-        stats.append(ContinuationStats(ll=np.array([p[0] for p in per]), greedy=np.array([p[1] for p in per]),
-                                       greedy_margin=np.array([p[2] for p in per])))
-    return stats
+    return [ContinuationStats.of([results[(r, c)] for c in range(len(request.continuations))])
+            for r, request in enumerate(requests)]
