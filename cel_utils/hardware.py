@@ -3,8 +3,9 @@
 Costs are read from the machine, never assumed. bf16 is fast only where the hardware has bf16 units: every current
 GPU, and CPUs with Intel AMX or AVX512-BF16 (``amx_bf16``, ``avx512_bf16``; Arm's ``bf16``). Elsewhere PyTorch emulates
 it: a matmul of the default model's shapes took 129x fp32's time on an AVX2-only AMD EPYC, and 2.7x on an AVX-512
-Intel Xeon without bf16 units. :func:`bf16_time_ratio` measures the ratio on the device at hand, and benchmarks print
-:func:`machine_summary` beside every ratio they report.
+Intel Xeon without bf16 units. A flag is not a speed: on an Intel Xeon listing ``avx512_bf16`` without AMX it took
+1.6-1.7x fp32's time, where an AMD EPYC (Zen 4) with the same flag runs it at 3.0x fp32's rate. :func:`bf16_time_ratio`
+measures the ratio on the device at hand, and benchmarks print :func:`machine_summary` beside every ratio they report.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import torch
 BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
 # CPU flags of a bf16 unit fast enough for the guarded precision to beat fp32 (cel_utils.evaluation.precision): Intel's
 # AMX (a bf16 matmul about 4x fp32's rate; guarded stage 1 of the default model 1.22-1.60x fp32, book/speed.md), not
-# AVX512-BF16 alone (an AMD EPYC, Zen 4: a bf16 matmul 3.0x, the fast pass only 1.6x, guarded 0.9x fp32).
+# AVX512-BF16 alone (an AMD EPYC, Zen 4: a bf16 matmul 3.0x, the fast pass only 1.6x, guarded 0.9x fp32; an Intel
+# Xeon without AMX: a bf16 matmul 1.6-1.7x slower than fp32).
 GUARDED_FLAGS = ("amx_bf16",)
 # The flags a reader of a benchmark needs to place its numbers: vector width and the bf16 / int8 units.
 SHOWN_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "neon", "asimd", "sve", "bf16")
