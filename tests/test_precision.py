@@ -3,6 +3,7 @@ import copy
 import dataclasses
 import functools
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from cel_utils.evaluation.engine import EngineEvaluator
 from cel_utils.evaluation.guard import DEPTH_GROUPS, GROUP_EVIDENCE, depth_group
 from cel_utils.evaluation.guarded import Guard, GuardedEvaluator
 from cel_utils.evaluation.kinds import kind_of
-from cel_utils.evaluation.precision import bf16_model, resolve_precision
+from cel_utils.evaluation.precision import bf16_model, resolve_precision, warn_if_bf16_is_slow
 from cel_utils.evaluation.store import EvalStore
 from cel_utils.pipeline import protocol
 from cel_utils.pipeline.protocol import run_cel
@@ -81,10 +82,18 @@ def test_a_run_that_falls_back_records_it_in_its_artifact(tiny_models, data_dir,
     settings = dict(model="random:llama:tiny", task="boolq", n_discovery=6, n_holdout=6, p=2, k=2, batch_size=4,
                     n_random_sets=2, n_resamples=0, cache=False)
     lm = tiny_models["llama"]
-    reference = json.loads(run_cel(RunConfig(**settings, results_dir="fp32"), lm=lm, progress=False).artifact.read_text())
+    from cel_utils import hardware
+
+    monkeypatch.setattr(hardware, "bf16_time_ratio", lambda device: 1.6)  # as on a Xeon without AMX: said, run anyway
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reference = json.loads(run_cel(RunConfig(**settings, results_dir="fp32"), lm=lm,
+                                       progress=False).artifact.read_text())
+    assert not [w for w in caught if "bf16 matmul" in str(w.message)]  # fp32 computes no bf16
     monkeypatch.setattr(protocol, "Guard", functools.partial(Guard, multiple=0.0, audit_share=1.0))
     monkeypatch.setattr(protocol, "bf16_model", _perturbed)
-    with pytest.warns(RuntimeWarning, match="computed in fp32"):
+    with pytest.warns(UserWarning, match="precision guarded computes in bfloat16, but a bf16 matmul took 1.6x"), \
+            pytest.warns(RuntimeWarning, match="computed in fp32"):
         run = run_cel(RunConfig(**settings, precision="guarded", results_dir="guarded"), lm=lm, progress=False)
     artifact = json.loads(run.artifact.read_text())
     assert artifact["precision"]["resolved"] == "guarded"
@@ -113,6 +122,25 @@ def test_guarded_decides_as_fp32_on_the_default_model(default_model, data_dir, t
     assert record["pairs"] == len(interventions) * len(data.discovery) and not record["fell_back_to_fp32"]
     assert record["largest_error"] > 0  # bf16 was computed and audited, not fp32 twice
     assert record["share_rechecked"] < 1  # most decisions were bf16's
+
+
+@pytest.mark.parametrize("precision, ratio, warned", [("guarded", 1.6, True), ("bf16", 3.0, True),
+                                                     ("guarded", 0.3, False), ("fp32", 1.6, False)])
+def test_bf16_where_it_was_measured_no_faster_than_fp32_is_said(monkeypatch, precision, ratio, warned):
+    """A flag is not a speed (an Intel Xeon listing avx512_bf16 without AMX: a bf16 matmul 1.6-1.7x fp32's time):
+    a run in bf16 or guarded hears the measured ratio where it is 1 or more; fp32 measures nothing."""
+    from cel_utils import hardware
+
+    timed = []
+    monkeypatch.setattr(hardware, "bf16_time_ratio", lambda device: timed.append(device) or ratio)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_if_bf16_is_slow(precision, "cpu")
+    said = [str(w.message) for w in caught if "bf16 matmul" in str(w.message)]
+    assert len(said) == warned and timed == ([] if precision == "fp32" else ["cpu"])
+    if said:
+        assert f"precision {precision} computes in bfloat16" in said[0] and f"took {ratio:.1f}x" in said[0]
+        assert "use precision fp32" in said[0]
 
 
 def test_auto_is_guarded_only_where_guarded_pays(monkeypatch):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 import weakref
 from typing import TYPE_CHECKING
 
@@ -26,9 +27,10 @@ def resolve_precision(precision: str, device: torch.device | str, kind: TaskKind
     """``precision`` as it resolves on ``device``, for a task of ``kind`` evaluated by ``engine``.
 
     ``auto`` is ``guarded`` where guarded was measured faster than fp32 (:func:`cel_utils.hardware.guarded_pays`: a
-    CUDA GPU with bf16 units, a CPU with Intel's AMX; not AVX512-BF16 alone, where it was 0.9x fp32), with the fast
-    engine (the guard's rechecks need it), zero-ablation and float32 weights (its rechecks zero heads in fp32), for a
-    kind where guarded paid (``TaskKind.auto_guarded``: multiple choice, stage 1 of the default model on 2 threads of a
+    CUDA GPU with bf16 units, a CPU with Intel's AMX; not AVX512-BF16 alone: 0.9x fp32 on an AMD EPYC, 0.46-0.56x on
+    an Intel Xeon without AMX, whose bf16 matmuls are slower than its fp32 ones), with the fast engine (the guard's
+    rechecks need it), zero-ablation and float32 weights (its rechecks zero heads in fp32), for a kind where guarded
+    paid (``TaskKind.auto_guarded``: multiple choice, stage 1 of the default model on 2 threads of a
     Xeon with AMX: BoolQ 1.31-1.60x, HellaSwag 1.22-1.36x; book/speed.md); else ``fp32``. Guarded took
     arithmetic_1dc (short items after a 3-shot prefix, where bf16 itself gained 1.33x) 2.0x fp32's time, and MBPP's
     decoding guard rechecked every row (:mod:`cel_utils.evaluation.guarded_generation`). ``kind`` None: what the
@@ -47,6 +49,25 @@ def resolve_precision(precision: str, device: torch.device | str, kind: TaskKind
     from cel_utils.hardware import guarded_pays
 
     return "guarded" if guarded_pays(device) else "fp32"
+
+
+def warn_if_bf16_is_slow(precision: str, device: torch.device | str) -> None:
+    """Warn when a run computes in bfloat16 (precision ``bf16`` or ``guarded``, asked for or resolved) on a device
+    where a bf16 matmul was measured no faster than fp32's (:func:`cel_utils.hardware.bf16_time_ratio`): a CPU without
+    bf16 units, or one whose units are slower than its fp32 path, as on an Intel Xeon listing ``avx512_bf16`` without
+    AMX (1.6-1.7x fp32's time; book/speed.md). The run's numbers are what the precision computes; only its time is
+    worse than fp32's, which is exact."""
+    if precision not in ("bf16", "guarded"):
+        return
+    from cel_utils.hardware import bf16_time_ratio, cpu_info
+
+    device = torch.device(device)
+    ratio = bf16_time_ratio(str(device))
+    if ratio >= 1.0:
+        where = cpu_info()["model"] if device.type == "cpu" else str(device)
+        warnings.warn(f"precision {precision} computes in bfloat16, but a bf16 matmul took {ratio:.1f}x float32's time "
+                      f"on {where}: this run is slower than it would be in fp32, which is exact; use precision fp32 "
+                      "on this machine", stacklevel=2)
 
 
 _BF16_COPIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

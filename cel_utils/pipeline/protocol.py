@@ -18,7 +18,7 @@ from cel_utils.evaluation.guarded import GuardedEvaluator
 from cel_utils.evaluation.means import HeadMeans, discovery_means
 from cel_utils.evaluation.kinds import kind_of
 from cel_utils.evaluation.outcomes import OutcomeTable
-from cel_utils.evaluation.precision import bf16_model, resolve_precision
+from cel_utils.evaluation.precision import bf16_model, resolve_precision, warn_if_bf16_is_slow
 from cel_utils.evaluation.store import EvalStore
 from cel_utils.models.heads import HeadGeometry, format_heads
 from cel_utils.models.loading import LoadedModel, load_model, resolve_device
@@ -128,6 +128,7 @@ def run_cel(config: RunConfig, lm: LoadedModel | None = None, progress: bool | s
         lm = load_for(config)
         timings["model_load_s"] = time.perf_counter() - start
     check_search_params(config.p, config.k, lm.geometry.n_total)
+    warn_if_bf16_is_slow(run_precision(config, lm.device), lm.device)
     store = EvalStore() if config.cache else None
     guard = Guard(seed=config.seed)  # used by the guarded precision only: one audit for the run's evaluators
 
