@@ -6,8 +6,9 @@
 After the unembedding, the engine scores each answer: the log-softmax over the vocabulary
 (:func:`cel_utils.tasks.scoring.continuation_loglikelihood`), and, where the task's kind reads it
 (``TaskKind.reads_greedy``: teacher-forced greedy match), whether every target token was the argmax and by how much
-(:func:`~cel_utils.tasks.scoring.continuation_stats`), which takes a copy of the logits and a maximum over them. Multiple choice does not read it. This runs one HellaSwag call (the full model and ``--heads`` single heads spread
-over the layers, on the first ``--items`` discovery items) with the kind as it is and with the greedy statistics forced
+(:func:`~cel_utils.tasks.scoring.continuation_stats`), which takes a copy of the logits and a maximum over them.
+Multiple choice does not read it. This runs one HellaSwag call (the full model and ``--heads`` single heads spread over
+the layers, on the first ``--items`` discovery items) with the kind as it is and with the greedy statistics forced
 on (the engine before the change), alternating, ``--repeats`` times each in one process; it checks that the
 log-likelihoods are the same bits, and prints per setting the median seconds of the whole call, of the unembedding
 and of the scoring. Compare the ratios within a run, not the seconds across runs: the machine's other load shows up.

@@ -96,6 +96,12 @@ def bf16_time_ratio(device: str = "cpu", rows: int = 128, inner: int = 576, cols
     return times[torch.bfloat16] / times[torch.float32]
 
 
+def device_name(device: torch.device | str) -> str:
+    """The device for a message: a CPU's model name, else the device as torch names it (``cuda:0``)."""
+    device = torch.device(device)
+    return cpu_info()["model"] if device.type == "cpu" else str(device)
+
+
 def machine_summary() -> str:
     """One line for a benchmark's output: the CPU, its relevant flags, torch's kernel level, its threads, any GPU."""
     info = cpu_info()

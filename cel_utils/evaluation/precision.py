@@ -59,15 +59,13 @@ def warn_if_bf16_is_slow(precision: str, device: torch.device | str) -> None:
     worse than fp32's, which is exact."""
     if precision not in ("bf16", "guarded"):
         return
-    from cel_utils.hardware import bf16_time_ratio, cpu_info
+    from cel_utils.hardware import bf16_time_ratio, device_name
 
-    device = torch.device(device)
-    ratio = bf16_time_ratio(str(device))
+    ratio = bf16_time_ratio(str(torch.device(device)))
     if ratio >= 1.0:
-        where = cpu_info()["model"] if device.type == "cpu" else str(device)
         warnings.warn(f"precision {precision} computes in bfloat16, but a bf16 matmul took {ratio:.1f}x float32's time "
-                      f"on {where}: this run is slower than it would be in fp32, which is exact; use precision fp32 "
-                      "on this machine", stacklevel=2)
+                      f"on {device_name(device)}: this run is slower than it would be in fp32, which is exact; use "
+                      "precision fp32 on this machine", stacklevel=2)
 
 
 _BF16_COPIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

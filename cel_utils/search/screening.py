@@ -173,18 +173,17 @@ def _bf16_screen(discovery: EvaluatorProtocol, heads: list[HeadId]) -> Screen:
 
     import torch
 
-    from cel_utils.hardware import bf16_time_ratio, cpu_info, native_bf16
+    from cel_utils.hardware import bf16_time_ratio, device_name, native_bf16
 
     device = discovery.lm.device
     ratio = bf16_time_ratio(str(device))  # measured here: the screen's cost in float32 forwards follows from it
     # Warned by the measured ratio, not the flags: an Intel Xeon listing avx512_bf16 without AMX took 1.6-1.7x float32's
     # time for a bf16 matmul (book/speed.md, "CPUs, numerics and bf16").
     if ratio >= 1.0:
-        where = cpu_info()["model"] if device.type == "cpu" else str(device)
         which = "whose bf16 units are no faster than float32" if native_bf16(device) else "which has no bf16 units"
-        warnings.warn(f"the bf16 screen runs on {where}, {which}: a bf16 matmul took {ratio:.1f}x float32's time "
-                      "here, so this screen costs more than exact float32 stage 1; the attribution and boundary "
-                      "screens are the cheap ones on this machine", stacklevel=3)
+        warnings.warn(f"the bf16 screen runs on {device_name(device)}, {which}: a bf16 matmul took {ratio:.1f}x "
+                      "float32's time here, so this screen costs more than exact float32 stage 1; the attribution and "
+                      "boundary screens are the cheap ones on this machine", stacklevel=3)
     lm = dataclasses.replace(discovery.lm, model=copy.deepcopy(discovery.lm.model).to(torch.bfloat16))
     per_item, cost = _single_head_gains(discovery.sibling(lm=lm, with_store=False), heads,
                                         f"bf16 screen: {len(heads)} heads")
