@@ -59,10 +59,10 @@ def warn_if_bf16_is_slow(precision: str, device: torch.device | str) -> None:
     worse than fp32's, which is exact."""
     if precision not in ("bf16", "guarded"):
         return
-    from cel_utils.hardware import bf16_time_ratio, device_name
+    from cel_utils.hardware import bf16_is_slow, bf16_time_ratio, device_name
 
-    ratio = bf16_time_ratio(str(torch.device(device)))
-    if ratio >= 1.0:
+    if bf16_is_slow(device):
+        ratio = bf16_time_ratio(str(torch.device(device)))  # measured once per process: this reads it back
         warnings.warn(f"precision {precision} computes in bfloat16, but a bf16 matmul took {ratio:.1f}x float32's time "
                       f"on {device_name(device)}: this run is slower than it would be in fp32, which is exact; use "
                       "precision fp32 on this machine", stacklevel=2)

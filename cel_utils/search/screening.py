@@ -173,13 +173,13 @@ def _bf16_screen(discovery: EvaluatorProtocol, heads: list[HeadId]) -> Screen:
 
     import torch
 
-    from cel_utils.hardware import bf16_time_ratio, device_name, native_bf16
+    from cel_utils.hardware import bf16_is_slow, bf16_time_ratio, device_name, native_bf16
 
     device = discovery.lm.device
     ratio = bf16_time_ratio(str(device))  # measured here: the screen's cost in float32 forwards follows from it
     # Warned by the measured ratio, not the flags: an Intel Xeon listing avx512_bf16 without AMX took 1.6-1.7x float32's
     # time for a bf16 matmul (book/speed.md, "CPUs, numerics and bf16").
-    if ratio >= 1.0:
+    if bf16_is_slow(device):
         which = "whose bf16 units are no faster than float32" if native_bf16(device) else "which has no bf16 units"
         warnings.warn(f"the bf16 screen runs on {device_name(device)}, {which}: a bf16 matmul took {ratio:.1f}x "
                       "float32's time here, so this screen costs more than exact float32 stage 1; the attribution and "
