@@ -23,7 +23,7 @@ BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
 # AMX (a bf16 matmul about 4x fp32's rate; guarded stage 1 of the default model 1.22-1.60x fp32, book/speed.md), not
 # AVX512-BF16 alone (an AMD EPYC of unrecorded family: a bf16 matmul 3.0x, the fast pass only 1.6x, guarded 0.9x fp32;
 # an Intel Xeon without AMX: a bf16 matmul 1.6-1.7x slower than fp32). An EPYC of family 26 (Zen 5) runs the layers 3.0x
-# faster in bf16, but guarded has not been timed there in the main job, so it stays fp32 (book/speed.md).
+# faster in bf16, yet guarded replaying the main job's own BoolQ search there took 0.91x fp32's time (book/speed.md).
 GUARDED_FLAGS = ("amx_bf16",)
 # The flags a reader of a benchmark needs to place its numbers: vector width and the bf16 / int8 units.
 SHOWN_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "neon", "asimd", "sve", "bf16")
