@@ -34,7 +34,8 @@ def cpu_info() -> dict:
     """The CPU's model name, flags and ``kind``; ``flags`` is None where the OS does not list them (not Linux).
 
     ``kind`` is x86's family and model numbers ("family 26 model 2"), None where the OS gives none: machines of one
-    name differ (an "AMD EPYC" of family 25 is Zen 4, of family 26 Zen 5), and a benchmark's reader needs to know which.
+    name differ (an "AMD EPYC" of family 25 is Zen 3 or Zen 4, told apart by the model number; of family 26, Zen 5),
+    and a benchmark's reader needs to know which.
     """
     model, flags, kind = platform.processor() or platform.machine(), None, None
     cpuinfo = Path("/proc/cpuinfo")
